@@ -1,0 +1,202 @@
+"""Point-to-point transfer of nested Python structures holding tensors (the D2D backend, paper section 3.3).
+
+A message is any picklable object; every ``torch.Tensor`` inside it (at any depth: tuples, lists, dicts,
+dataclasses, NamedTuples, custom objects) travels as raw bytes over ``torch.distributed`` send/recv, the
+rest as a pickle. On the wire one message is three frames on one (src, dst) pair::
+
+    header   int64[2]  = [pickle_nbytes, data_nbytes]
+    pickle   uint8[pickle_nbytes]   skeleton with tensor placeholders + per-tensor (shape, dtype, requires_grad)
+    data     uint8[data_nbytes]     every tensor's bytes, 16-byte aligned, in placeholder order (omitted if 0)
+
+Frames of one message are sent under a per-destination lock, so threads may send concurrently. A tensor that
+appears twice in a message arrives as one tensor. Received tensors are leaves with the dtype, shape and
+``requires_grad`` flag they left with.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Message", "Packed", "Transport", "pack"]
+
+_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class _TensorMeta:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+    offset: int
+    nbytes: int
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors: list[torch.Tensor] = []
+        self._index: dict[int, int] = {}
+
+    def persistent_id(self, obj: Any) -> int | None:
+        if not isinstance(obj, torch.Tensor):
+            return None
+        key = id(obj)
+        if key not in self._index:
+            self._index[key] = len(self.tensors)
+            self.tensors.append(obj)
+        return self._index[key]
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
+        super().__init__(file)
+        self._tensors = tensors
+
+    def persistent_load(self, pid: int) -> torch.Tensor:
+        return self._tensors[pid]
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A message ready for the wire.
+
+    Attributes:
+        payload: the pickle frame.
+        tensors: every distinct tensor of the message, in placeholder order (the originals, not copies).
+        data_nbytes: size of the data frame in bytes.
+    """
+
+    payload: bytes
+    tensors: list[torch.Tensor]
+    data_nbytes: int
+
+
+@dataclass(frozen=True)
+class Message:
+    """A received message.
+
+    Attributes:
+        obj: the rebuilt object; its tensors are fresh leaves with ``requires_grad=False``.
+        tensors: those tensors, in the sender's placeholder order (same order as ``Packed.tensors``).
+        requires_grad: the ``requires_grad`` flag each tensor left with. The receiver decides whether to set it.
+    """
+
+    obj: Any
+    tensors: list[torch.Tensor]
+    requires_grad: list[bool]
+
+
+def pack(obj: Any) -> Packed:
+    """Pickle ``obj`` with every tensor replaced by a placeholder.
+
+    Raises:
+        TypeError: for sparse or quantized tensors, or an object pickle cannot serialise.
+    """
+    buffer = io.BytesIO()
+    pickler = _Pickler(buffer)
+    try:
+        pickler.dump(obj)
+    except (pickle.PicklingError, TypeError, AttributeError) as err:
+        raise TypeError(
+            f"Cannot send {type(obj).__name__} between pipeline stages: {err}. Values that cross a stage"
+            " boundary must be tensors or picklable Python objects (tuples, lists, dicts, dataclasses, ...)."
+        ) from err
+    metas, offset = [], 0
+    for tensor in pickler.tensors:
+        if tensor.layout != torch.strided or tensor.is_quantized:
+            raise TypeError(f"Cannot send a {tensor.layout} tensor between pipeline stages; send a dense tensor.")
+        nbytes = tensor.numel() * tensor.element_size()
+        metas.append(_TensorMeta(tuple(tensor.shape), tensor.dtype, tensor.requires_grad, offset, nbytes))
+        offset += _padded(nbytes)
+    payload = pickle.dumps((buffer.getvalue(), metas), protocol=pickle.HIGHEST_PROTOCOL)
+    return Packed(payload, pickler.tensors, offset)
+
+
+def _unpack(payload: bytes, data: torch.Tensor | None, device: torch.device) -> Message:
+    skeleton, metas = pickle.loads(payload)
+    tensors = []
+    for meta in metas:
+        if meta.nbytes == 0:
+            tensor = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+        else:
+            assert data is not None
+            tensor = data[meta.offset : meta.offset + meta.nbytes].view(meta.dtype).view(meta.shape)
+        tensors.append(tensor)
+    obj = _Unpickler(io.BytesIO(skeleton), tensors).load()
+    return Message(obj, tensors, [meta.requires_grad for meta in metas])
+
+
+class Transport:
+    """Framed messages between the ranks of one process group.
+
+    Args:
+        group: the process group; ``src``/``dst`` below are ranks *within* it.
+        device: where wire buffers live (``cpu`` for gloo, the rank's CUDA device for NCCL).
+
+    Thread safety: ``send`` may be called from many threads; ``recv`` from one peer must be called from one
+    thread at a time (the engine runs one receiver thread per peer).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        self.group = group
+        self.device = device
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self._send_locks = [threading.Lock() for _ in range(self.size)]
+
+    def send(self, message: Any, dst: int) -> None:
+        """Send ``message`` (an object or a :class:`Packed`) to group rank ``dst``.
+
+        Blocks until the backend has taken the frames (for gloo: written to the peer's connection).
+        """
+        packed = message if isinstance(message, Packed) else pack(message)
+        header = torch.tensor([len(packed.payload), packed.data_nbytes], dtype=torch.int64, device=self.device)
+        pickled = torch.frombuffer(bytearray(packed.payload), dtype=torch.uint8).to(self.device)
+        data = self._gather(packed)
+        with self._send_locks[dst]:
+            dist.send(header, group=self.group, group_dst=dst)
+            dist.send(pickled, group=self.group, group_dst=dst)
+            if data is not None:
+                dist.send(data, group=self.group, group_dst=dst)
+
+    def recv(self, src: int) -> Message:
+        """Receive the next message from group rank ``src``.
+
+        Raises:
+            RuntimeError: what the backend raises when the peer is gone or nothing arrives within its timeout.
+        """
+        header = torch.empty(2, dtype=torch.int64, device=self.device)
+        dist.recv(header, group=self.group, group_src=src)
+        payload_nbytes, data_nbytes = (int(v) for v in header.tolist())
+        pickled = torch.empty(payload_nbytes, dtype=torch.uint8, device=self.device)
+        dist.recv(pickled, group=self.group, group_src=src)
+        data = None
+        if data_nbytes:
+            data = torch.empty(data_nbytes, dtype=torch.uint8, device=self.device)
+            dist.recv(data, group=self.group, group_src=src)
+        return _unpack(pickled.cpu().numpy().tobytes(), data, self.device)
+
+    def _gather(self, packed: Packed) -> torch.Tensor | None:
+        """Copy every tensor's bytes into one aligned wire buffer."""
+        if packed.data_nbytes == 0:
+            return None
+        data = torch.empty(packed.data_nbytes, dtype=torch.uint8, device=self.device)
+        offset = 0
+        for tensor in packed.tensors:
+            nbytes = tensor.numel() * tensor.element_size()
+            if nbytes:
+                flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+                data[offset : offset + nbytes].copy_(flat)
+            offset += _padded(nbytes)
+        return data

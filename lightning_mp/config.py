@@ -1,0 +1,111 @@
+"""The one dataclass of every lightning_mp knob, validated on construction.
+
+Names follow the SageMaker model parallelism library (Karakus et al., 2021, "smp" v1 configuration
+keys) where a user would look for them; see ``shared/SMP_REFERENCE.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Literal
+
+__all__ = ["SMPConfig"]
+
+PipelineSchedule = Literal["interleaved", "simple"]
+Optimize = Literal["speed", "memory"]
+
+_DEFAULT_MEMORY_WEIGHT = {"speed": 0.2, "memory": 0.8}
+
+
+@dataclass(kw_only=True, frozen=True)
+class SMPConfig:
+    """Every knob of the ``smp`` strategy.
+
+    Raises:
+        ValueError: on any value out of range, naming the value and the fix.
+    """
+
+    pipeline_parallel_degree: int = 1
+    """Number of pipeline stages (SMP ``partitions``). Each stage lives on its own rank."""
+
+    tensor_parallel_degree: int = 1
+    """Size of a tensor-parallel group. Only ``1`` is supported so far."""
+
+    microbatches: int = 1
+    """Microbatches per batch. Every tensor in a batch is split along dim 0 into this many equal parts."""
+
+    pipeline: PipelineSchedule = "interleaved"
+    """``"interleaved"``: backward work of a microbatch runs as soon as it is ready and has priority over
+    forward work (1F1B-like activation memory). ``"simple"``: all forwards, then all backwards (GPipe)."""
+
+    active_microbatches: int | None = None
+    """Cap on microbatches in flight on the driver at once. ``None`` means ``pipeline_parallel_degree + 2``
+    (the SMP default)."""
+
+    auto_partition: bool = True
+    """Place modules on stages automatically (balanced by the cost model). If ``False``, modules not named in
+    ``partition`` go to ``default_partition``."""
+
+    default_partition: int = 0
+    """Stage for modules without a placement when ``auto_partition`` is ``False``."""
+
+    partition: Mapping[str, int] = field(default_factory=dict)
+    """Manual placement: ``{module FQN: stage}``. The innermost entry wins for its subtree; auto fills the rest."""
+
+    optimize: Optimize = "speed"
+    """Partition objective preset: ``"speed"`` sets ``memory_weight=0.2``, ``"memory"`` sets ``0.8``."""
+
+    memory_weight: float | None = None
+    """Weight in [0, 1] of memory balance against compute balance in the partition cost. ``None``: from ``optimize``."""
+
+    process_group_backend: str | None = None
+    """``torch.distributed`` backend. ``None``: ``"gloo"`` on CPU, ``"nccl"`` on CUDA."""
+
+    timeout: timedelta = timedelta(minutes=30)
+    """How long a rank waits for a peer (collectives and pipeline messages) before failing with an error."""
+
+    def __post_init__(self) -> None:
+        for name in ("pipeline_parallel_degree", "tensor_parallel_degree", "microbatches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
+        if self.tensor_parallel_degree != 1:
+            raise ValueError(
+                f"`tensor_parallel_degree={self.tensor_parallel_degree}` is not supported yet; tensor parallelism"
+                " is still being built. Use `tensor_parallel_degree=1` (pipeline and data parallelism work)."
+            )
+        if self.pipeline not in ("interleaved", "simple"):
+            raise ValueError(f"`pipeline` must be 'interleaved' or 'simple', got {self.pipeline!r}.")
+        if self.optimize not in _DEFAULT_MEMORY_WEIGHT:
+            raise ValueError(f"`optimize` must be 'speed' or 'memory', got {self.optimize!r}.")
+        if self.memory_weight is not None and not 0.0 <= self.memory_weight <= 1.0:
+            raise ValueError(f"`memory_weight` must be in [0, 1], got {self.memory_weight}.")
+        if self.active_microbatches is not None and self.active_microbatches < 1:
+            raise ValueError(f"`active_microbatches` must be >= 1 or None, got {self.active_microbatches}.")
+        for name, stage in {"default_partition": self.default_partition, **self.partition}.items():
+            if not isinstance(stage, int) or not 0 <= stage < self.pipeline_parallel_degree:
+                raise ValueError(
+                    f"Stage {stage!r} for {name!r} is out of range: stages are 0..{self.pipeline_parallel_degree - 1}"
+                    f" for `pipeline_parallel_degree={self.pipeline_parallel_degree}`."
+                )
+        if not self.auto_partition and self.pipeline_parallel_degree > 1 and not self.partition:
+            raise ValueError(
+                "`auto_partition=False` needs a manual placement: pass `partition={module_fqn: stage, ...}`"
+                " covering every stage, or set `auto_partition=True`."
+            )
+        if self.timeout.total_seconds() <= 0:
+            raise ValueError(f"`timeout` must be positive, got {self.timeout}.")
+
+    @property
+    def effective_memory_weight(self) -> float:
+        """``memory_weight`` if set, else the preset of ``optimize`` (0.2 speed / 0.8 memory, as SMP)."""
+        return self.memory_weight if self.memory_weight is not None else _DEFAULT_MEMORY_WEIGHT[self.optimize]
+
+    @property
+    def effective_active_microbatches(self) -> int:
+        """``active_microbatches`` if set, else ``pipeline_parallel_degree + 2`` (the SMP default)."""
+        if self.active_microbatches is not None:
+            return self.active_microbatches
+        return self.pipeline_parallel_degree + 2

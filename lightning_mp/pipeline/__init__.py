@@ -1,0 +1,13 @@
+"""Module-server pipeline engine, schedules and microbatch split/merge. Torch only, no Lightning."""
+
+from lightning_mp.pipeline._engine import PipelineEngine, PipelineError, PipelineSession
+from lightning_mp.pipeline._microbatch import MicrobatchSplitError, merge_microbatches, split_microbatches
+
+__all__ = [
+    "MicrobatchSplitError",
+    "PipelineEngine",
+    "PipelineError",
+    "PipelineSession",
+    "merge_microbatches",
+    "split_microbatches",
+]

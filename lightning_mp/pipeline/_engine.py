@@ -1,0 +1,529 @@
+"""The module-server pipeline engine (paper section 3.2): no static graph, any eager model.
+
+Every rank of a pipeline runs an execution server. Pipeline rank 0 (the *driver*) runs the user's step once
+per microbatch. A module placed on another stage has its ``forward`` replaced by a stub; calling it sends an
+execution request (module FQN, args, kwargs) to the owner, whose server runs the real module and replies with
+the outputs. Backward crosses ranks through :mod:`lightning_mp.comm._autograd` (see [Note: remote autograd]).
+Because requests are made by ordinary Python calls, data-dependent branches, loops and calling one module
+several times keep working, and any stage may call any other.
+
+Concurrency: each microbatch (driver) and each served request runs in its own thread and computes only while
+holding the rank's compute token ([Note: one compute token per rank] in ``_scheduler.py``).
+
+One pipelined step is a :class:`PipelineSession`::
+
+    with engine.session() as session:
+        if engine.is_driver:
+            outputs = session.drive(step_fn, microbatches, loss_fn=..., backward=True)
+            session.finish(summary)            # sent to every other stage
+        else:
+            summary = session.serve()          # answer requests until the driver finishes
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field
+from types import MethodType
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_mp.comm import Message, Transport, connect_remote_outputs, pack
+from lightning_mp.pipeline._scheduler import ComputeToken, Priority
+
+__all__ = ["PipelineEngine", "PipelineError", "PipelineSession"]
+
+_BACKWARD, _FORWARD = 0, 1  # phase component of a priority: backward work first ("interleaved")
+_POLL_S = 0.5
+
+
+class PipelineError(RuntimeError):
+    """A pipelined step failed on some stage, or a stage stopped answering."""
+
+
+@dataclass(frozen=True)
+class _Envelope:
+    kind: str  # "fwd" | "bwd" | "reply" | "error" | "end" | "close"
+    call_id: tuple[int, int] | None = None
+    body: Any = None
+    microbatch: int = 0
+
+
+@dataclass(frozen=True)
+class _Task:
+    """What the current thread is computing: which microbatch, forward or backward."""
+
+    microbatch: int
+    phase: int
+
+    @property
+    def priority(self) -> Priority:
+        return (self.phase, self.microbatch)
+
+
+_current = threading.local()
+
+
+def _current_task() -> _Task | None:
+    return getattr(_current, "task", None)
+
+
+@contextmanager
+def _as_task(task: _Task) -> Iterator[None]:
+    previous = _current_task()
+    _current.task = task
+    try:
+        yield
+    finally:
+        _current.task = previous
+
+
+class _Future:
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.value: Any = None
+
+    def set(self, value: Any) -> None:
+        self.value = value
+        self._event.set()
+
+    def wait(self, timeout_s: float, check_failed: Callable[[], None], what: str) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while not self._event.wait(_POLL_S):
+            check_failed()
+            if time.monotonic() > deadline:
+                raise PipelineError(f"Timed out after {timeout_s:.0f} s waiting for {what}.")
+        check_failed()
+        return self.value
+
+
+@dataclass
+class _SavedCall:
+    """What a server keeps of a forward request until its backward arrives."""
+
+    leaves: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+    fqn: str
+
+
+@dataclass
+class _RemoteBackward:
+    """Caller side of a remote call's backward (see ``connect_remote_outputs``)."""
+
+    session: PipelineSession
+    stage: int
+    call_id: tuple[int, int]
+    microbatch: int
+    fqn: str
+
+    def run_backward(self, grad_outputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        task = _Task(self.microbatch, _BACKWARD)
+        envelope = _Envelope("bwd", self.call_id, (self.fqn, grad_outputs), self.microbatch)
+        reply = self.session.exchange(self.stage, envelope, task, f"backward of {self.fqn!r}")
+        return list(reply.obj.body)
+
+
+class PipelineEngine:
+    """Runs one pipeline replica's steps: places modules, serves requests, drives microbatches.
+
+    Args:
+        transport: framed messages over this replica's pipeline process group (group rank = stage).
+        num_stages: pipeline_parallel_degree.
+        schedule: ``"interleaved"`` (backward first whenever ready, 1F1B-like) or ``"simple"`` (GPipe: all
+            forwards of a wave of microbatches, then all backwards).
+        active_microbatches: at most this many microbatches in flight on the driver.
+        timeout_s: seconds to wait for any reply before raising :class:`PipelineError`.
+        forward_context: a context manager factory wrapping every served forward request (e.g. autocast).
+        global_ranks: global rank of each stage, for error messages.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        num_stages: int,
+        *,
+        schedule: str = "interleaved",
+        active_microbatches: int = 4,
+        timeout_s: float = 1800.0,
+        forward_context: Callable[[], AbstractContextManager] = nullcontext,
+        global_ranks: Sequence[int] | None = None,
+    ) -> None:
+        self.transport = transport
+        self.stage = transport.rank
+        self.num_stages = num_stages
+        self.schedule = schedule
+        self.active_microbatches = active_microbatches
+        self.timeout_s = timeout_s
+        self.forward_context = forward_context
+        self.global_ranks = list(global_ranks) if global_ranks is not None else list(range(num_stages))
+        self._modules: dict[str, nn.Module] = {}
+        self._stage_of: dict[str, int] = {}
+        self._session: PipelineSession | None = None
+        self._call_ids = itertools.count()
+
+    @property
+    def is_driver(self) -> bool:
+        return self.stage == 0
+
+    def describe_stage(self, stage: int) -> str:
+        return f"pipeline stage {stage} (global rank {self.global_ranks[stage]})"
+
+    # ---- placement -------------------------------------------------------------------------------------------
+
+    def install(self, model: nn.Module, stage_of: Mapping[str, int]) -> None:
+        """Keep this stage's modules, free every other module's own parameters and buffers, stub their forwards.
+
+        Module FQNs, the tree and the local parameters stay where they were, so ``model.state_dict()`` on a
+        rank holds exactly its own parameters under their original names.
+
+        Raises:
+            ValueError: if ``stage_of`` misses a module or names a stage out of range.
+        """
+        modules = dict(model.named_modules(remove_duplicate=False))
+        missing = sorted(set(modules) - set(stage_of))
+        if missing:
+            raise ValueError(f"The partition plan has no stage for modules {missing[:5]}; re-plan the model.")
+        for fqn, module in modules.items():
+            stage = stage_of[fqn]
+            if not 0 <= stage < self.num_stages:
+                raise ValueError(f"Module {fqn!r} is planned on stage {stage}, outside 0..{self.num_stages - 1}.")
+            self._modules[fqn] = module
+            self._stage_of[fqn] = stage
+            if stage != self.stage:
+                _release_and_stub(module, fqn, stage, self)
+
+    def stage_of(self, fqn: str) -> int:
+        return self._stage_of[fqn]
+
+    # ---- sessions --------------------------------------------------------------------------------------------
+
+    @contextmanager
+    def session(self) -> Iterator[PipelineSession]:
+        """One pipelined step on every stage of this replica. Every stage must enter it for the same step."""
+        if self._session is not None:
+            raise RuntimeError("A pipelined step is already running on this rank; steps cannot nest.")
+        session = PipelineSession(self)
+        self._session = session
+        try:
+            session.start()
+            yield session
+        except BaseException as err:
+            session.abort(err)
+            raise
+        finally:
+            self._session = None
+            session.close()
+
+    def call_remote(self, fqn: str, stage: int, args: tuple, kwargs: dict) -> Any:
+        """Run module ``fqn`` on ``stage`` with ``args``/``kwargs``; the stub of every remote module calls this."""
+        session, task = self._session, _current_task()
+        if session is None or task is None:
+            raise RuntimeError(
+                f"Module {fqn!r} lives on pipeline stage {stage}, not on this rank (stage {self.stage}); it can only"
+                " be called inside a pipelined step (training_step, validation_step, test_step, predict_step)."
+                " Call the model from those steps, not from hooks or callbacks."
+            )
+        grad_enabled = torch.is_grad_enabled()
+        call_id = (self.stage, next(self._call_ids))
+        envelope = _Envelope("fwd", call_id, (fqn, args, kwargs, grad_enabled), task.microbatch)
+        packed = pack(envelope)
+        grad_inputs = [t for t in packed.tensors if t.requires_grad] if grad_enabled else []
+        reply = session.exchange(stage, packed, task, f"forward of {fqn!r}", call_id=call_id)
+        outputs = [t for t, rg in zip(reply.tensors, reply.requires_grad) if rg and _differentiable(t)]
+        if grad_enabled and outputs:
+            handle = _RemoteBackward(session, stage, call_id, task.microbatch, fqn)
+            connect_remote_outputs(handle, grad_inputs, outputs)
+        return reply.obj.body
+
+
+def _differentiable(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+def _release_and_stub(module: nn.Module, fqn: str, stage: int, engine: PipelineEngine) -> None:
+    for name in module._parameters:
+        module._parameters[name] = None
+    for name in module._buffers:
+        module._buffers[name] = None
+
+    def remote_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return engine.call_remote(fqn, stage, args, kwargs)
+
+    module.forward = MethodType(remote_forward, module)
+
+
+class PipelineSession:
+    """One pipelined step on one rank: receiver threads, in-flight calls, served requests."""
+
+    def __init__(self, engine: PipelineEngine) -> None:
+        self.engine = engine
+        self.transport = engine.transport
+        self.peers = [s for s in range(engine.num_stages) if s != engine.stage]
+        self.token = ComputeToken(self.raise_if_failed)
+        self._lock = threading.Lock()
+        self._futures: dict[tuple[int, int], _Future] = {}
+        self._saved: dict[tuple[int, int], _SavedCall] = {}
+        self._end = _Future()
+        self._error: BaseException | None = None
+        self._receivers: list[threading.Thread] = []
+        self._workers: list[threading.Thread] = []
+        self._finished = False
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        for peer in self.peers:
+            thread = threading.Thread(target=self._receive_loop, args=(peer,), daemon=True, name=f"smp-recv-{peer}")
+            thread.start()
+            self._receivers.append(thread)
+
+    def fail(self, error: BaseException) -> None:
+        """Record the first failure; every waiter on this rank raises it."""
+        with self._lock:
+            if self._error is None:
+                self._error = error
+
+    def raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise PipelineError(str(self._error)) from self._error
+
+    def abort(self, error: BaseException) -> None:
+        """Tell the other stages that this step failed here (driver), so they raise instead of waiting."""
+        self.fail(error)
+        if self.engine.is_driver and not self._finished:
+            self._finished = True
+            text = f"{type(error).__name__}: {error}"
+            for peer in self.peers:
+                self._send_quietly(_Envelope("end", body=("error", text)), peer)
+
+    def close(self) -> None:
+        """Finish the step: wait for local work, then exchange "close" with every peer."""
+        for worker in self._workers:
+            worker.join(self.engine.timeout_s if self._error is None else _POLL_S)
+        for peer in self.peers:
+            self._send_quietly(_Envelope("close"), peer)
+        for receiver in self._receivers:
+            receiver.join(self.engine.timeout_s if self._error is None else _POLL_S)
+
+    def _send_quietly(self, envelope: _Envelope, peer: int) -> None:
+        try:
+            self.transport.send(envelope, peer)
+        except Exception as err:  # the peer may be gone; the step is failing anyway
+            if self._error is None:
+                self.fail(PipelineError(f"Could not reach {self.engine.describe_stage(peer)}: {err}"))
+
+    # ---- driver ----------------------------------------------------------------------------------------------
+
+    def drive(
+        self,
+        step_fn: Callable[[Any, int], Any],
+        microbatches: Sequence[Any],
+        *,
+        loss_fn: Callable[[Any], torch.Tensor | None],
+        backward: bool,
+    ) -> list[Any]:
+        """Run ``step_fn(microbatch, index)`` for every microbatch (and backward of ``loss_fn(output)``).
+
+        Returns:
+            The step outputs, in microbatch order.
+
+        Raises:
+            PipelineError: if any microbatch or any stage fails, naming the stage.
+        """
+        if not self.engine.is_driver:
+            raise RuntimeError("Only pipeline stage 0 drives a step; other stages call `serve()`.")
+        outputs: list[Any] = [None] * len(microbatches)
+        grad_enabled, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+        def run(index: int, forwards_done: _WaveBarrier | None) -> None:
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad_enabled):
+                with _as_task(_Task(index, _FORWARD)), self.token.hold((_FORWARD, index)):
+                    outputs[index] = step_fn(microbatches[index], index)
+                if not backward:
+                    return
+                loss = loss_fn(outputs[index])
+                if forwards_done is not None:
+                    forwards_done.arrive_and_wait()
+                    self.raise_if_failed()
+                if loss is not None:
+                    with _as_task(_Task(index, _BACKWARD)), self.token.hold((_BACKWARD, index)):
+                        loss.backward()
+
+        if not self.peers:  # one stage: nothing to overlap, run inline
+            for index in range(len(microbatches)):
+                run(index, None)
+            return outputs
+        self._run_threads(run, len(microbatches))
+        return outputs
+
+    def _run_threads(self, run: Callable[[int, _WaveBarrier | None], None], count: int) -> None:
+        cap = max(1, min(self.engine.active_microbatches, count))
+        slots = threading.Semaphore(cap)
+
+        def guarded(index: int, barrier: _WaveBarrier | None) -> None:
+            try:
+                run(index, barrier)
+            except BaseException as err:
+                self.fail(err)
+                if barrier is not None:
+                    barrier.breaks()
+            finally:
+                slots.release()
+
+        threads = []
+        waves = [range(s, min(s + cap, count)) for s in range(0, count, cap)] if self.engine.schedule == "simple" else [range(count)]
+        for wave in waves:
+            barrier = _WaveBarrier(len(wave), self.raise_if_failed) if self.engine.schedule == "simple" else None
+            for index in wave:
+                while not slots.acquire(timeout=_POLL_S):
+                    if self._error is not None:
+                        break
+                if self._error is not None:
+                    break
+                thread = threading.Thread(target=guarded, args=(index, barrier), daemon=True, name=f"smp-mb-{index}")
+                thread.start()
+                threads.append(thread)
+        for thread in threads:
+            thread.join()
+        self.raise_if_failed()
+
+    def finish(self, summary: Any) -> None:
+        """Send ``summary`` (e.g. the step's mean loss and logged values) to every other stage."""
+        self._finished = True
+        for peer in self.peers:
+            self.transport.send(_Envelope("end", body=("ok", summary)), peer)
+
+    # ---- server ----------------------------------------------------------------------------------------------
+
+    def serve(self) -> Any:
+        """Answer requests until the driver finishes the step; return the driver's summary.
+
+        Raises:
+            PipelineError: if the driver failed, or a peer stopped answering within the timeout.
+        """
+        message: Message = self._end.wait(float("inf"), self.raise_if_failed, "the end of the step")
+        status, body = message.obj.body
+        if status != "ok":
+            raise PipelineError(f"The step failed on {self.engine.describe_stage(0)}: {body}")
+        return body
+
+    def _receive_loop(self, peer: int) -> None:
+        while True:
+            try:
+                message = self.transport.recv(peer)
+            except Exception as err:
+                self.fail(PipelineError(f"Lost contact with {self.engine.describe_stage(peer)}: {err}"))
+                return
+            envelope: _Envelope = message.obj
+            if envelope.kind == "close":
+                return
+            if envelope.kind in ("reply", "error"):
+                with self._lock:
+                    future = self._futures.pop(envelope.call_id, None)
+                if future is not None:
+                    future.set(message)
+            elif envelope.kind == "end":
+                self._end.set(message)
+            else:
+                worker = threading.Thread(target=self._serve_request, args=(peer, message), daemon=True)
+                self._workers.append(worker)
+                worker.start()
+
+    def _serve_request(self, peer: int, message: Message) -> None:
+        envelope: _Envelope = message.obj
+        phase = _FORWARD if envelope.kind == "fwd" else _BACKWARD
+        task = _Task(envelope.microbatch, phase)
+        fqn = envelope.body[0]
+        try:
+            with _as_task(task), self.token.hold(task.priority):
+                if envelope.kind == "fwd":
+                    reply = self._run_forward(envelope, message)
+                else:
+                    reply = self._run_backward(envelope)
+        except BaseException as err:
+            where = self.engine.describe_stage(self.engine.stage)
+            text = f"{where} failed running {fqn!r} for microbatch {envelope.microbatch}:\n{traceback.format_exc()}"
+            reply = _Envelope("error", envelope.call_id, text)
+            if isinstance(err, PipelineError):
+                reply = _Envelope("error", envelope.call_id, str(err))
+        self._send_quietly(reply, peer)
+
+    def _run_forward(self, envelope: _Envelope, message: Message) -> _Envelope:
+        fqn, args, kwargs, grad_enabled = envelope.body
+        leaves = []
+        if grad_enabled:
+            for tensor, requires_grad in zip(message.tensors, message.requires_grad):
+                if requires_grad:
+                    leaves.append(tensor.requires_grad_(True))
+        module = self.engine._modules[fqn]
+        if self.engine.stage_of(fqn) != self.engine.stage:
+            raise PipelineError(f"Module {fqn!r} was requested from stage {self.engine.stage} but lives elsewhere.")
+        with torch.set_grad_enabled(grad_enabled), self.engine.forward_context():
+            output = module(*args, **kwargs)
+        reply = pack(_Envelope("reply", envelope.call_id, output))
+        if grad_enabled:
+            outputs = [t for t in reply.tensors if t.requires_grad and _differentiable(t)]
+            if outputs:
+                with self._lock:
+                    self._saved[envelope.call_id] = _SavedCall(leaves, outputs, fqn)
+        return reply
+
+    def _run_backward(self, envelope: _Envelope) -> _Envelope:
+        fqn, grad_outputs = envelope.body
+        with self._lock:
+            saved = self._saved.pop(envelope.call_id)
+        pairs = [(out, grad) for out, grad in zip(saved.outputs, grad_outputs) if grad is not None]
+        if pairs:
+            torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+        return _Envelope("reply", envelope.call_id, [leaf.grad for leaf in saved.leaves])
+
+    # ---- caller side -----------------------------------------------------------------------------------------
+
+    def exchange(
+        self, stage: int, request: Any, task: _Task, what: str, *, call_id: tuple[int, int] | None = None
+    ) -> Message:
+        """Send a request to ``stage`` and wait for its reply, giving the compute token away meanwhile."""
+        self.raise_if_failed()
+        call_id = call_id if call_id is not None else request.call_id
+        future = _Future()
+        with self._lock:
+            self._futures[call_id] = future
+        with self.token.paused(task.priority):
+            self.transport.send(request, stage)
+            message: Message = future.wait(
+                self.engine.timeout_s, self.raise_if_failed, f"{what} on {self.engine.describe_stage(stage)}"
+            )
+        if message.obj.kind == "error":
+            raise PipelineError(message.obj.body)
+        return message
+
+
+class _WaveBarrier:
+    """All forwards of a wave finish before any of its backwards start (the "simple" / GPipe schedule)."""
+
+    def __init__(self, parties: int, check_failed: Callable[[], None]) -> None:
+        self._cv = threading.Condition()
+        self._parties = parties
+        self._arrived = 0
+        self._broken = False
+        self._check_failed = check_failed
+
+    def arrive_and_wait(self) -> None:
+        with self._cv:
+            self._arrived += 1
+            self._cv.notify_all()
+            while self._arrived < self._parties and not self._broken:
+                self._cv.wait(_POLL_S)
+                self._check_failed()
+
+    def breaks(self) -> None:
+        with self._cv:
+            self._broken = True
+            self._cv.notify_all()

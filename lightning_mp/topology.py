@@ -1,0 +1,126 @@
+"""The (dp, pp, tp) rank grid, its process groups, and rank helpers.
+
+Global rank layout (tensor-parallel ranks are neighbours, then pipeline, then data parallel)::
+
+    rank = dp_rank * (pp * tp) + pp_rank * tp + tp_rank
+
+This is SMP's default ``placement_strategy="cluster"`` order for the model-parallel axes. Groups come from
+``torch.distributed.device_mesh.init_device_mesh`` with axis names from :class:`MeshAxis`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["MeshAxis", "Topology", "build_device_mesh"]
+
+
+class MeshAxis(str, Enum):
+    """Names of the mesh axes, outermost first."""
+
+    DP = "dp"
+    PP = "pp"
+    TP = "tp"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Coordinates of one rank in the (dp, pp, tp) grid. Pure arithmetic: no process group needed.
+
+    Attributes:
+        world_size: number of processes.
+        rank: this process's global rank.
+        pipeline_parallel_degree: pp, number of pipeline stages.
+        tensor_parallel_degree: tp, ranks per tensor-parallel group.
+    """
+
+    world_size: int
+    rank: int
+    pipeline_parallel_degree: int = 1
+    tensor_parallel_degree: int = 1
+
+    def __post_init__(self) -> None:
+        model_parallel = self.pipeline_parallel_degree * self.tensor_parallel_degree
+        if self.world_size % model_parallel != 0:
+            raise ValueError(
+                f"World size {self.world_size} is not divisible by pipeline_parallel_degree"
+                f" ({self.pipeline_parallel_degree}) x tensor_parallel_degree ({self.tensor_parallel_degree})"
+                f" = {model_parallel}. Launch a multiple of {model_parallel} processes (devices x num_nodes),"
+                " or change the degrees."
+            )
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"Rank {self.rank} is outside the world of size {self.world_size}.")
+
+    @property
+    def data_parallel_degree(self) -> int:
+        """dp = world_size / (pp * tp)."""
+        return self.world_size // (self.pipeline_parallel_degree * self.tensor_parallel_degree)
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int]:
+        """(dp, pp, tp), in the order of :class:`MeshAxis`."""
+        return (self.data_parallel_degree, self.pipeline_parallel_degree, self.tensor_parallel_degree)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tensor_parallel_degree
+
+    @property
+    def pp_rank(self) -> int:
+        return (self.rank // self.tensor_parallel_degree) % self.pipeline_parallel_degree
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // (self.pipeline_parallel_degree * self.tensor_parallel_degree)
+
+    @property
+    def is_driver(self) -> bool:
+        """True on pipeline rank 0, which runs the user's step and drives its pipeline."""
+        return self.pp_rank == 0
+
+    def global_rank(self, *, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
+        """Global rank of the given grid coordinates."""
+        return (dp_rank * self.pipeline_parallel_degree + pp_rank) * self.tensor_parallel_degree + tp_rank
+
+    def pp_group_ranks(self) -> list[int]:
+        """Global ranks of this rank's pipeline group, indexed by stage."""
+        return [
+            self.global_rank(dp_rank=self.dp_rank, pp_rank=s, tp_rank=self.tp_rank)
+            for s in range(self.pipeline_parallel_degree)
+        ]
+
+    def dp_group_ranks(self) -> list[int]:
+        """Global ranks of this rank's data-parallel group (same stage, same tp rank, every replica)."""
+        return [
+            self.global_rank(dp_rank=d, pp_rank=self.pp_rank, tp_rank=self.tp_rank)
+            for d in range(self.data_parallel_degree)
+        ]
+
+
+def build_device_mesh(topology: Topology, device_type: str) -> DeviceMesh:
+    """Build the 3-axis ``DeviceMesh`` (dp, pp, tp) over the default process group.
+
+    Args:
+        topology: the grid; must match ``torch.distributed``'s world size.
+        device_type: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL).
+
+    Raises:
+        RuntimeError: if the default process group is not initialised or its size differs.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        raise RuntimeError("Initialise torch.distributed before building the device mesh.")
+    if dist.get_world_size() != topology.world_size:
+        raise RuntimeError(
+            f"Topology expects world size {topology.world_size}, torch.distributed has {dist.get_world_size()}."
+        )
+    names = tuple(axis.value for axis in MeshAxis)
+    return init_device_mesh(device_type, topology.mesh_shape, mesh_dim_names=names)
