@@ -1,0 +1,648 @@
+"""Planning: module FQN -> pipeline stage, balanced by a compute + memory cost model.
+
+[Note: partition algorithm]
+A *node* is a piece of the module tree that goes to one stage whole: either a *subtree* (a module
+and all its descendants) or the *residual* of an expanded module (the module itself, its own
+parameters, its self FLOPs, plus any child subtree that was never called during tracing, so such
+children stay with their parent). The *frontier* is a sequence of nodes covering every module
+exactly once, in call order: it starts as ``[root residual] + root's children`` and an expansion
+replaces a subtree node by ``[its residual] + its children``, the children ordered by the first
+call in their subtree. Nodes whose modules share a parameter are merged into one super-node at
+the position of the earliest member. An exact min-max DP cuts the merged sequence into
+``num_stages`` non-empty contiguous segments; among the splits with the optimal bottleneck it
+takes the one with the smallest sum of squared stage costs (then the earliest cut points).
+The frontier is first expanded (costliest node first) until it has ``num_stages`` nodes. Then
+local search: each round keeps the single expansion of a bottleneck-stage node that lowers the
+optimum most; when none does (typically several stages tie at the optimum) it tries expanding
+every node one level deeper, undoing the expansions that gain nothing. Finally expansions are
+undone while the optimum grows by at most ``_COLLAPSE_SLACK`` (1%): splitting a module over
+stages costs communication the model does not count. During the search the optimum only falls:
+expanding a module cannot hurt, since its pieces can still share a stage.
+The root residual is always the first node, so the root and its own parameters land on stage 0.
+Manual placements are applied on top; the innermost entry wins for its subtree.
+"""
+
+from __future__ import annotations
+
+import bisect
+import difflib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_mp.partition._trace import ModelTrace
+
+__all__ = ["PartitionPlan", "plan"]
+
+# Costs are normalised (they sum to about 1); differences below this are float noise.
+_TOL = 1e-12
+# After the search, expansions are undone while the bottleneck stage cost grows by at most this
+# fraction: splitting a module over stages adds communication that the cost model does not see.
+_COLLAPSE_SLACK = 0.01
+_ROOT = ""
+_MAX_TABLE_ENTRIES = 6
+
+
+@dataclass(frozen=True)
+class PartitionPlan:
+    """Where every module runs: module FQN -> pipeline stage.
+
+    A module executes (its forward code runs) on ``stage_of[fqn]`` and its direct parameters live
+    there. The root ``""`` is always on stage 0.
+
+    Attributes:
+        num_stages: number of pipeline stages.
+        stage_of: every module FQN of the trace -> stage in ``[0, num_stages)``.
+        stage_costs: normalised cost (compute and memory, weighted as planned) per stage; sums to
+            about 1 (all zeros for a model without FLOPs and parameters).
+    """
+
+    num_stages: int
+    stage_of: dict[str, int]
+    stage_costs: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stage_costs", tuple(float(c) for c in self.stage_costs))
+        _check_num_stages(self.num_stages)
+        if len(self.stage_costs) != self.num_stages:
+            raise ValueError(
+                f"stage_costs has {len(self.stage_costs)} entries but num_stages is "
+                f"{self.num_stages}; give one cost per stage"
+            )
+        for fqn, stage in self.stage_of.items():
+            _check_stage(stage, self.num_stages, f"stage_of[{fqn!r}] = {stage!r}")
+        if self.stage_of.get(_ROOT, 0) != 0:
+            raise ValueError(
+                f"the root module ('') is on stage {self.stage_of[_ROOT]}; the root always "
+                "runs on stage 0"
+            )
+
+    def modules_on(self, stage: int) -> list[str]:
+        """Top-most modules of ``stage``: those on it whose parent is on another stage.
+
+        The root counts as top-most on stage 0. Order is ``named_modules`` order.
+
+        Raises:
+            ValueError: if ``stage`` is not in ``[0, num_stages)``.
+        """
+        _check_stage(stage, self.num_stages, f"stage {stage!r}")
+        return [
+            fqn
+            for fqn, s in self.stage_of.items()
+            if s == stage and (fqn == _ROOT or self.stage_of.get(_parent_of(fqn)) != stage)
+        ]
+
+    def format_table(self, trace: ModelTrace) -> str:
+        """A human-readable table: stage | top-most modules | #parameters (elements) | cost %."""
+        num_params = [0] * self.num_stages
+        for fqn, stage in self.stage_of.items():
+            record = trace.modules.get(fqn)
+            num_params[stage] += record.num_params if record is not None else 0
+        header = ("stage", "modules", "parameters", "cost")
+        rows = [
+            (
+                str(stage),
+                _abbreviate(self.modules_on(stage)),
+                f"{num_params[stage]:,}",
+                f"{100.0 * self.stage_costs[stage]:.1f}%",
+            )
+            for stage in range(self.num_stages)
+        ]
+        return _render_table(header, rows)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as plain JSON-able data; :meth:`from_dict` reverses it."""
+        return {
+            "num_stages": self.num_stages,
+            "stage_of": dict(self.stage_of),
+            "stage_costs": list(self.stage_costs),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PartitionPlan:
+        """Rebuilds a plan from :meth:`to_dict` output.
+
+        Raises:
+            ValueError: if a key is missing or a value is out of range.
+        """
+        missing = [key for key in ("num_stages", "stage_of", "stage_costs") if key not in data]
+        if missing:
+            raise ValueError(
+                f"partition plan data lacks {missing}; pass the output of PartitionPlan.to_dict()"
+            )
+        return cls(
+            num_stages=int(data["num_stages"]),
+            stage_of={str(fqn): int(stage) for fqn, stage in data["stage_of"].items()},
+            stage_costs=tuple(float(c) for c in data["stage_costs"]),
+        )
+
+
+def plan(
+    trace: ModelTrace,
+    num_stages: int,
+    *,
+    memory_weight: float = 0.2,
+    manual: Mapping[str, int] | None = None,
+    auto_partition: bool = True,
+    default_partition: int = 0,
+) -> PartitionPlan:
+    """Places every module of a traced model on one of ``num_stages`` pipeline stages.
+
+    See [Note: partition algorithm]. The result depends only on the arguments (deterministic).
+
+    Args:
+        trace: the output of :func:`lightning_mp.partition.trace`.
+        num_stages: number of pipeline stages (``pipeline_parallel_degree``), at least 1.
+        memory_weight: weight in ``[0, 1]`` of parameter bytes in a node's cost; compute (FLOPs)
+            gets ``1 - memory_weight``. Both are shares of the model's totals.
+        manual: optional ``{module_fqn: stage}`` placements applied after the automatic plan; the
+            innermost entry wins for its subtree. The root ``""`` may only be placed on stage 0.
+        auto_partition: if False, skip the automatic plan: modules not under a ``manual`` entry go
+            to ``default_partition`` (the root stays on stage 0).
+        default_partition: stage for unplaced modules when ``auto_partition`` is False.
+
+    Returns:
+        The :class:`PartitionPlan`.
+
+    Raises:
+        ValueError: if ``num_stages < 1``; ``memory_weight`` is outside ``[0, 1]``; a stage is out
+            of range; ``manual`` names an unknown module or puts the root off stage 0; the model
+            has fewer placeable modules than ``num_stages``; modules sharing a parameter end up on
+            different stages; or a stage ends up with no modules.
+    """
+    _check_num_stages(num_stages)
+    if not 0.0 <= memory_weight <= 1.0:
+        raise ValueError(f"memory_weight must be in [0, 1], got {memory_weight}; use e.g. 0.2")
+    _check_stage(default_partition, num_stages, f"default_partition={default_partition!r}")
+    if manual:
+        _check_manual(trace, manual, num_stages)
+    costs = _CostModel(trace, memory_weight)
+    if auto_partition:
+        stage_of = _auto_stages(costs, num_stages)
+    else:
+        stage_of = {fqn: default_partition for fqn in trace.modules}
+        stage_of[_ROOT] = 0
+    if manual:
+        stage_of = _apply_manual(trace, stage_of, manual)
+    _check_shared_groups(trace, stage_of)
+    _check_no_empty_stage(stage_of, num_stages)
+    return PartitionPlan(num_stages, stage_of, _stage_costs(costs, stage_of, num_stages))
+
+
+# ----------------------------------------------------------------------------- cost model
+
+_Item = tuple[str, bool]  # (module FQN, is_residual); a subtree node when is_residual is False
+
+
+class _CostModel:
+    """Per-subtree FLOPs, bytes, call order and shared-group membership of a trace."""
+
+    def __init__(self, trace: ModelTrace, memory_weight: float) -> None:
+        self.trace = trace
+        self.memory_weight = memory_weight
+        records = trace.modules
+        self.subtree: dict[str, list[str]] = {}
+        self.first_call: dict[str, int | None] = {}  # min over the subtree
+        self.flops: dict[str, float] = {}  # inclusive, of the subtree
+        self.bytes: dict[str, int] = {}  # of the subtree
+        for fqn in reversed(records):  # children before parents
+            self._summarise(fqn)
+        self.flops[_ROOT] = max(float(trace.total_flops), self.flops[_ROOT])
+        self.first_call[_ROOT] = -1  # the root runs the step: treat it as called first
+        self.total_flops = self.flops[_ROOT]
+        self.total_bytes = self.bytes[_ROOT]
+        self.group_of = {m: i for i, group in enumerate(trace.shared_groups) for m in group}
+        self._called_children = {fqn: self._order_called_children(fqn) for fqn in records}
+        self._cache: dict[_Item, tuple[float, list[str], frozenset[int]]] = {}
+
+    def _summarise(self, fqn: str) -> None:
+        record = self.trace.modules[fqn]
+        children = record.children
+        self.subtree[fqn] = [fqn] + [m for child in children for m in self.subtree[child]]
+        calls = [self.first_call[c] for c in children if self.first_call[c] is not None]
+        if record.first_call is not None:
+            calls.append(record.first_call)
+        self.first_call[fqn] = min(calls) if calls else None
+        children_flops = sum(self.flops[c] for c in children)
+        self.flops[fqn] = float(record.flops) if record.num_calls > 0 else children_flops
+        self.bytes[fqn] = record.param_bytes + sum(self.bytes[c] for c in children)
+
+    def cost(self, flops: float, num_bytes: float) -> float:
+        flops_share = flops / self.total_flops if self.total_flops > 0 else 0.0
+        bytes_share = num_bytes / self.total_bytes if self.total_bytes > 0 else 0.0
+        return (1.0 - self.memory_weight) * flops_share + self.memory_weight * bytes_share
+
+    def self_flops(self, fqn: str) -> float:
+        children = self.trace.modules[fqn].children
+        return max(0.0, self.flops[fqn] - sum(self.flops[c] for c in children))
+
+    def own_cost(self, fqn: str) -> float:
+        """Cost of one module alone: self FLOPs and own bytes."""
+        return self.cost(self.self_flops(fqn), self.trace.modules[fqn].param_bytes)
+
+    def called_children(self, fqn: str) -> list[str]:
+        """Children with a call in their subtree, by first call (definition order on ties)."""
+        return self._called_children[fqn]
+
+    def _order_called_children(self, fqn: str) -> list[str]:
+        children = self.trace.modules[fqn].children
+        called = [c for c in children if self.first_call[c] is not None]
+        return sorted(called, key=lambda c: self.first_call[c])  # stable: definition order
+
+    def expandable(self, item: _Item) -> bool:
+        fqn, is_residual = item
+        return not is_residual and bool(self.called_children(fqn))
+
+    def expand(self, fqn: str) -> list[_Item]:
+        return [(fqn, True)] + [(child, False) for child in self.called_children(fqn)]
+
+    def describe(self, item: _Item) -> tuple[float, list[str], frozenset[int]]:
+        """(cost, covered module FQNs, shared-group indices) of a node."""
+        if item not in self._cache:
+            self._cache[item] = self._describe(*item)
+        return self._cache[item]
+
+    def _describe(self, fqn: str, is_residual: bool) -> tuple[float, list[str], frozenset[int]]:
+        if is_residual:
+            uncalled = [c for c in self.trace.modules[fqn].children if self.first_call[c] is None]
+            members = [fqn] + [m for child in uncalled for m in self.subtree[child]]
+            num_bytes = self.trace.modules[fqn].param_bytes + sum(self.bytes[c] for c in uncalled)
+            cost = self.cost(self.self_flops(fqn), num_bytes)
+        else:
+            members = self.subtree[fqn]
+            cost = self.cost(self.flops[fqn], self.bytes[fqn])
+        groups = frozenset(self.group_of[m] for m in members if m in self.group_of)
+        return cost, members, groups
+
+
+# ----------------------------------------------------------------------------- search
+
+
+@dataclass
+class _Split:
+    """A merged frontier cut into stages: ``nodes[i]`` lists frontier indices of node i."""
+
+    nodes: list[list[int]]
+    starts: list[int]  # index of the first node of each stage; starts[0] == 0
+    stage_costs: list[float]
+    optimum: float  # the min-max optimum: the largest stage cost, up to float rounding
+
+
+def _auto_stages(costs: _CostModel, num_stages: int) -> dict[str, int]:
+    frontier = _grow_to_num_stages(costs, costs.expand(_ROOT), num_stages)
+    frontier = _local_search(costs, frontier, num_stages)
+    split = _split(costs, frontier, num_stages)
+    stage_of: dict[str, int] = {}
+    for stage, start in enumerate(split.starts):
+        end = split.starts[stage + 1] if stage + 1 < num_stages else len(split.nodes)
+        for node in split.nodes[start:end]:
+            for index in node:
+                for fqn in costs.describe(frontier[index])[1]:
+                    assert fqn not in stage_of, f"module {fqn!r} covered twice"
+                    stage_of[fqn] = stage
+    assert stage_of.keys() == costs.trace.modules.keys(), "frontier does not cover the model"
+    assert stage_of[_ROOT] == 0, "the root residual must be on stage 0"
+    return {fqn: stage_of[fqn] for fqn in costs.trace.modules}
+
+
+def _grow_to_num_stages(
+    costs: _CostModel, frontier: list[_Item], num_stages: int
+) -> list[_Item]:
+    """Expands the costliest expandable node until the merged frontier has enough nodes."""
+    while len(_merge(costs, frontier)) < num_stages:
+        expandable = [i for i, item in enumerate(frontier) if costs.expandable(item)]
+        if not expandable:
+            num_nodes = len(_merge(costs, frontier))
+            raise ValueError(
+                f"cannot place {num_stages} stages: the model has only {num_nodes} placeable "
+                "modules (modules called during tracing, counting modules that share parameters "
+                f"as one); use fewer pipeline stages (at most {num_nodes}) or place modules with "
+                "a manual map and auto_partition=False"
+            )
+        index = max(expandable, key=lambda i: costs.describe(frontier[i])[0])  # first on ties
+        frontier = _expand_at(costs, frontier, [index])
+    return frontier
+
+
+def _local_search(costs: _CostModel, frontier: list[_Item], num_stages: int) -> list[_Item]:
+    """Expands nodes while that lowers the min-max optimum; see [Note: partition algorithm].
+
+    Each round tries every single expansion in the bottleneck stages and keeps the best. When
+    several stages tie at the optimum no single expansion can lower it; the round then expands
+    every node one level deeper and, if that lowers the optimum, collapses again each expansion
+    that the new optimum does not need.
+    """
+    while True:
+        split = _split(costs, frontier, num_stages)
+        candidates = _bottleneck_items(costs, frontier, split)
+        trials = [_expand_at(costs, frontier, [index]) for index in candidates]
+        best = _lowest_optimum(costs, trials, num_stages, split.optimum)
+        if best is None:
+            best = _one_level_deeper(costs, frontier, num_stages, split.optimum)
+        if best is None:
+            return _collapse_unneeded(costs, frontier, num_stages, _COLLAPSE_SLACK)
+        frontier = best
+
+
+def _one_level_deeper(
+    costs: _CostModel, frontier: list[_Item], num_stages: int, optimum: float
+) -> list[_Item] | None:
+    expandable = [i for i, item in enumerate(frontier) if costs.expandable(item)]
+    if not expandable:
+        return None
+    deeper = _expand_at(costs, frontier, expandable)
+    if _lowest_optimum(costs, [deeper], num_stages, optimum) is None:
+        return None
+    return _collapse_unneeded(costs, deeper, num_stages, slack=0.0)
+
+
+def _collapse_unneeded(
+    costs: _CostModel, frontier: list[_Item], num_stages: int, slack: float
+) -> list[_Item]:
+    """Undoes expansions (innermost first) while the optimum stays within ``1 + slack`` of now."""
+    limit = _optimum(costs, frontier, num_stages) * (1.0 + slack) + _TOL
+    collapsed_any = True
+    while collapsed_any:
+        collapsed_any = False
+        for index in reversed(range(len(frontier))):
+            trial = _collapse_at(costs, frontier, index)
+            if trial is not None and _optimum(costs, trial, num_stages) <= limit:
+                frontier, collapsed_any = trial, True
+    return frontier
+
+
+def _collapse_at(costs: _CostModel, frontier: list[_Item], index: int) -> list[_Item] | None:
+    """Reverses ``expand`` of the residual at ``index`` if its children are all unexpanded."""
+    fqn, is_residual = frontier[index]
+    if not is_residual or fqn == _ROOT:
+        return None
+    span = costs.expand(fqn)
+    if frontier[index : index + len(span)] != span:
+        return None
+    return frontier[:index] + [(fqn, False)] + frontier[index + len(span) :]
+
+
+def _optimum(costs: _CostModel, frontier: list[_Item], num_stages: int) -> float:
+    """Min-max stage cost of the merged frontier; infinite if it has fewer nodes than stages."""
+    nodes = _merge(costs, frontier)
+    if len(nodes) < num_stages:
+        return math.inf
+    return _min_max(_node_costs(costs, frontier, nodes), num_stages)
+
+
+def _lowest_optimum(
+    costs: _CostModel, trials: list[list[_Item]], num_stages: int, current: float
+) -> list[_Item] | None:
+    """The trial frontier with the lowest min-max optimum below ``current``; first on ties."""
+    best, best_optimum = None, current - _TOL
+    for trial in trials:
+        optimum = _optimum(costs, trial, num_stages)
+        if optimum < best_optimum:
+            best, best_optimum = trial, optimum - _TOL
+    return best
+
+
+def _bottleneck_items(costs: _CostModel, frontier: list[_Item], split: _Split) -> list[int]:
+    """Frontier indices of expandable nodes in the stages whose cost is the optimum."""
+    ends = split.starts[1:] + [len(split.nodes)]
+    found = []
+    for start, end, cost in zip(split.starts, ends, split.stage_costs):
+        if cost >= split.optimum - _TOL:
+            found += [i for node in split.nodes[start:end] for i in node]
+    return sorted(i for i in found if costs.expandable(frontier[i]))
+
+
+def _expand_at(costs: _CostModel, frontier: list[_Item], indices: list[int]) -> list[_Item]:
+    """Replaces the subtree nodes at ``indices`` by their residual and children."""
+    expanded = list(frontier)
+    for index in sorted(indices, reverse=True):
+        expanded[index : index + 1] = costs.expand(frontier[index][0])
+    return expanded
+
+
+def _merge(costs: _CostModel, frontier: list[_Item]) -> list[list[int]]:
+    """Groups frontier indices whose nodes share parameters; each group sits at its first index."""
+    root_of = list(range(len(frontier)))
+
+    def find(i: int) -> int:
+        while root_of[i] != i:
+            root_of[i] = root_of[root_of[i]]
+            i = root_of[i]
+        return i
+
+    first_holder: dict[int, int] = {}
+    for i, item in enumerate(frontier):
+        for group in sorted(costs.describe(item)[2]):
+            a, b = find(i), find(first_holder.setdefault(group, i))
+            root_of[max(a, b)] = min(a, b)
+    nodes: dict[int, list[int]] = {}
+    for i in range(len(frontier)):
+        nodes.setdefault(find(i), []).append(i)
+    return list(nodes.values())
+
+
+def _node_costs(costs: _CostModel, frontier: list[_Item], nodes: list[list[int]]) -> list[float]:
+    return [sum(costs.describe(frontier[i])[0] for i in node) for node in nodes]
+
+
+def _split(costs: _CostModel, frontier: list[_Item], num_stages: int) -> _Split:
+    nodes = _merge(costs, frontier)
+    node_costs = _node_costs(costs, frontier, nodes)
+    optimum = _min_max(node_costs, num_stages)
+    starts = _balanced_starts(node_costs, num_stages, optimum + _TOL)
+    ends = starts[1:] + [len(nodes)]
+    stage_costs = [sum(node_costs[s:e]) for s, e in zip(starts, ends)]
+    return _Split(nodes, starts, stage_costs, optimum)
+
+
+def _prefix_sums(values: Sequence[float]) -> list[float]:
+    prefix = [0.0]
+    for value in values:
+        prefix.append(prefix[-1] + value)
+    return prefix
+
+
+def _min_max(costs: Sequence[float], num_parts: int) -> float:
+    """Smallest possible largest part when cutting ``costs`` into ``num_parts`` contiguous parts.
+
+    Exact DP over (parts, prefix length). For a fixed prefix the best cut ``p`` sits where the
+    optimum of the first ``p`` nodes (non-decreasing in ``p``) meets the last part (non-increasing
+    in ``p``), so it is found by bisection: O(num_parts * n * log n).
+    """
+    n = len(costs)
+    assert 1 <= num_parts <= n, f"cannot cut {n} nodes into {num_parts} parts"
+    prefix = _prefix_sums(costs)
+    best = prefix[:]  # best[i]: optimum for the first i nodes in the current number of parts
+    for parts in range(2, num_parts + 1):
+        crossing = [b + q for b, q in zip(best, prefix)]  # >= prefix[i] iff best[p] >= last part
+        new = [math.inf] * (n + 1)
+        for i in range(parts, n + 1):
+            p = bisect.bisect_left(crossing, prefix[i], parts - 1, i)
+            value = best[p] if p < i else math.inf
+            if p > parts - 1:
+                value = min(value, prefix[i] - prefix[p - 1])
+            new[i] = value
+        best = new
+    return best[n]
+
+
+def _balanced_starts(costs: Sequence[float], num_parts: int, cap: float) -> list[int]:
+    """Cut with every part <= ``cap`` minimising the sum of squared parts; earliest cuts on ties.
+
+    Returns the index of the first element of each part.
+    """
+    n = len(costs)
+    prefix = _prefix_sums(costs)
+    best = [prefix[i] ** 2 if prefix[i] <= cap else math.inf for i in range(n + 1)]
+    cut_before: list[list[int]] = []
+    for parts in range(2, num_parts + 1):
+        new, cuts = [math.inf] * (n + 1), [0] * (n + 1)
+        first = parts - 1  # earliest cut whose last part fits under the cap; grows with i
+        for i in range(parts, n + 1):
+            while prefix[i] - prefix[first] > cap:
+                first += 1
+            for p in range(first, i):
+                if best[p] == math.inf:
+                    continue
+                part = prefix[i] - prefix[p]
+                value = best[p] + part * part
+                if value < new[i] - _TOL:
+                    new[i], cuts[i] = value, p
+        best = new
+        cut_before.append(cuts)
+    assert best[n] < math.inf, "no split under the min-max optimum"
+    starts, end = [], n
+    for cuts in reversed(cut_before):
+        end = cuts[end]
+        starts.append(end)
+    return [0] + starts[::-1]
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _check_num_stages(num_stages: int) -> None:
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(
+            f"num_stages must be an integer >= 1, got {num_stages!r}; "
+            "set the number of pipeline stages to 1 or more"
+        )
+
+
+def _check_stage(stage: int, num_stages: int, description: str) -> None:
+    """Raises if ``stage`` is not an int in ``[0, num_stages)``; ``description`` shows the value."""
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < num_stages:
+        raise ValueError(
+            f"{description} is not a valid stage for num_stages={num_stages}; use an integer "
+            f"in 0..{num_stages - 1}"
+        )
+
+
+def _check_manual(trace: ModelTrace, manual: Mapping[str, int], num_stages: int) -> None:
+    for fqn, stage in manual.items():
+        if fqn not in trace.modules:
+            close = difflib.get_close_matches(fqn, list(trace.modules), n=3)
+            hint = f"did you mean {', '.join(repr(c) for c in close)}? " if close else ""
+            raise ValueError(
+                f"manual placement names unknown module {fqn!r}; {hint}use module names as "
+                "in model.named_modules() ('' for the root)"
+            )
+        _check_stage(stage, num_stages, f"manual placement {fqn!r} -> {stage!r}")
+    if manual.get(_ROOT, 0) != 0:
+        raise ValueError(
+            f"manual placement puts the root module ('') on stage {manual[_ROOT]}; the root runs "
+            "the training step and always stays on stage 0; place its children instead"
+        )
+
+
+def _apply_manual(
+    trace: ModelTrace, stage_of: dict[str, int], manual: Mapping[str, int]
+) -> dict[str, int]:
+    """Overrides ``stage_of`` with ``manual``: the innermost entry wins for its subtree."""
+    result: dict[str, int] = {}
+    placed: set[str] = set()
+    for fqn, record in trace.modules.items():  # parents before children
+        if fqn in manual:
+            result[fqn] = manual[fqn]
+            placed.add(fqn)
+        elif record.parent in placed:
+            result[fqn] = result[record.parent]
+            placed.add(fqn)
+        else:
+            result[fqn] = stage_of[fqn]
+    return result
+
+
+def _check_shared_groups(trace: ModelTrace, stage_of: Mapping[str, int]) -> None:
+    for group in trace.shared_groups:
+        if len({stage_of[fqn] for fqn in group}) > 1:
+            where = ", ".join(f"{fqn!r} -> {stage_of[fqn]}" for fqn in group)
+            raise ValueError(
+                f"modules that share parameters are placed on different stages ({where}); "
+                "shared parameters need one stage: place all of them on the same stage in the "
+                "manual map"
+            )
+
+
+def _check_no_empty_stage(stage_of: Mapping[str, int], num_stages: int) -> None:
+    used = set(stage_of.values())
+    for stage in range(num_stages):
+        if stage not in used:
+            raise ValueError(
+                f"stage {stage} has no modules; the placement uses stages {sorted(used)} of "
+                f"num_stages={num_stages}; place a module on stage {stage} in the manual map, "
+                "enable auto_partition, or use fewer pipeline stages"
+            )
+
+
+def _stage_costs(costs: _CostModel, stage_of: Mapping[str, int], num_stages: int) -> tuple:
+    raw = [0.0] * num_stages
+    for fqn, stage in stage_of.items():
+        raw[stage] += costs.own_cost(fqn)
+    total = sum(raw)
+    return tuple(c / total if total > 0 else 0.0 for c in raw)
+
+
+# ----------------------------------------------------------------------------- formatting
+
+
+def _parent_of(fqn: str) -> str:
+    return fqn.rpartition(".")[0]
+
+
+def _abbreviate(fqns: list[str]) -> str:
+    """Joins names, collapsing runs of indexed siblings: ``h.0 .. h.3 (4 modules)``."""
+    entries: list[str] = []
+    run: list[str] = []
+
+    def flush() -> None:
+        if len(run) >= 3:
+            entries.append(f"{run[0]} .. {run[-1]} ({len(run)} modules)")
+        else:
+            entries.extend(run)
+        run.clear()
+
+    for fqn in fqns:
+        indexed = fqn.rpartition(".")[2].isdigit()
+        if not (indexed and run and _parent_of(run[-1]) == _parent_of(fqn)):
+            flush()
+        if indexed:
+            run.append(fqn)
+        else:
+            entries.append(fqn if fqn else "<root>")
+    flush()
+    if len(entries) > _MAX_TABLE_ENTRIES:
+        hidden = len(entries) - _MAX_TABLE_ENTRIES + 1
+        entries = entries[: _MAX_TABLE_ENTRIES - 1] + [f"... (+{hidden} more)"]
+    return ", ".join(entries) if entries else "-"
+
+
+def _render_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(row[c]) for row in [header, *rows]) for c in range(len(header))]
+
+    def line(cells: tuple[str, ...]) -> str:
+        return " | ".join(cell.ljust(width) for cell, width in zip(cells, widths)).rstrip()
+
+    rule = "-+-".join("-" * width for width in widths)
+    return "\n".join([line(header), rule, *(line(row) for row in rows)])

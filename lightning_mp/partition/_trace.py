@@ -1,0 +1,232 @@
+"""Tracing a model: its module tree, call order, FLOPs, parameter bytes and shared parameters.
+
+The trace is the only input of the planner (:func:`lightning_mp.partition.plan`). It runs the user's
+code once, unchanged, so Python control flow decides which modules run and how often: a module
+called twice is counted twice, a branch not taken leaves its module uncalled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+__all__ = ["ModelTrace", "ModuleRecord", "trace"]
+
+
+@dataclass
+class ModuleRecord:
+    """What tracing learnt about one module, under one fully qualified name (FQN).
+
+    Attributes:
+        fqn: the module's name as in ``model.named_modules()``; ``""`` is the root.
+        parent: FQN of the module one level up; ``None`` for the root.
+        children: FQNs of the direct children, in definition order.
+        first_call: global order index (0, 1, ...) of the module's first forward call during the
+            trace; ``None`` if it was never called. A module registered under several FQNs is
+            called under its first FQN only.
+        num_calls: number of forward calls during the trace.
+        param_bytes: bytes of the module's own direct parameters and buffers (``recurse=False``);
+            a tensor held by several modules counts at its first owner only, in
+            ``named_modules`` order.
+        flops: inclusive forward FLOPs of all its calls (children included), as counted by
+            :class:`torch.utils.flop_counter.FlopCounterMode`.
+        num_params: elements of the module's own direct parameters (not buffers), counted at the
+            first owner only, like ``param_bytes``.
+    """
+
+    fqn: str
+    parent: str | None
+    children: list[str]
+    first_call: int | None
+    num_calls: int
+    param_bytes: int
+    flops: float
+    num_params: int = 0
+
+
+@dataclass
+class ModelTrace:
+    """The module tree of a model with per-module costs, as recorded by :func:`trace`.
+
+    Attributes:
+        modules: one record per FQN of ``model.named_modules(remove_duplicate=False)``, in that
+            order (so the root ``""`` comes first and a parent precedes its children).
+        shared_groups: groups (two or more members) of module FQNs whose direct parameters
+            include one and the same ``nn.Parameter`` object, closed transitively; members and
+            groups in ``named_modules`` order. Shared buffers do not form groups.
+        total_flops: FLOPs of the whole traced run, including work outside any module (for
+            example a loss computed in ``training_step``).
+    """
+
+    modules: dict[str, ModuleRecord]
+    shared_groups: list[list[str]] = field(default_factory=list)
+    total_flops: float = 0.0
+
+
+def trace(model: nn.Module, run: Callable[[], Any]) -> ModelTrace:
+    """Runs ``run()`` once and records the module tree, call order, FLOPs and bytes of ``model``.
+
+    Forward pre/post hooks are registered on every module of ``model`` for the duration of the
+    run and removed afterwards, also when the run fails. ``run()`` is called under
+    ``torch.no_grad()`` and :class:`~torch.utils.flop_counter.FlopCounterMode`; it may be any
+    callable that exercises the model, for example ``lambda: module.training_step(batch, 0)``,
+    so the root itself need not be called as a module. Tensors may live on the ``meta`` device.
+
+    Args:
+        model: the model to trace; it is not modified.
+        run: a callable without arguments that calls the model; its result is discarded.
+
+    Returns:
+        The :class:`ModelTrace` of ``model``.
+
+    Raises:
+        RuntimeError: if ``run()`` raises; the original exception is chained.
+    """
+    records = _module_records(model)
+    recorder = _CallRecorder(records)
+    handles = _register_hooks(model, recorder)
+    try:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            recorder.counter = counter
+            _run_user_code(run)
+        total_flops = float(counter.get_total_flops())
+    finally:
+        for handle in handles:
+            handle.remove()
+    return ModelTrace(
+        modules=records,
+        shared_groups=_shared_groups(model),
+        total_flops=total_flops,
+    )
+
+
+def _run_user_code(run: Callable[[], Any]) -> None:
+    try:
+        run()
+    except Exception as exc:
+        raise RuntimeError(
+            f"tracing the model failed: the traced run raised {type(exc).__name__}: {exc}. "
+            "Partitioning runs the model once (a training step on one microbatch, under "
+            "torch.no_grad()); make that step run on a single process first."
+        ) from exc
+
+
+def _parent_of(fqn: str) -> str | None:
+    if fqn == "":
+        return None
+    return fqn.rpartition(".")[0]
+
+
+def _module_records(model: nn.Module) -> dict[str, ModuleRecord]:
+    """One record per FQN with the tree links and first-owner parameter bytes; no calls yet."""
+    records: dict[str, ModuleRecord] = {}
+    seen_tensors: set[int] = set()
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        parent = _parent_of(fqn)
+        records[fqn] = ModuleRecord(
+            fqn=fqn,
+            parent=parent,
+            children=[],
+            first_call=None,
+            num_calls=0,
+            param_bytes=0,
+            flops=0.0,
+        )
+        if parent is not None:
+            records[parent].children.append(fqn)
+        _count_own_tensors(records[fqn], module, seen_tensors)
+    return records
+
+
+def _count_own_tensors(record: ModuleRecord, module: nn.Module, seen: set[int]) -> None:
+    for tensor in module.parameters(recurse=False):
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            record.param_bytes += tensor.numel() * tensor.element_size()
+            record.num_params += tensor.numel()
+    for tensor in module.buffers(recurse=False):
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            record.param_bytes += tensor.numel() * tensor.element_size()
+
+
+class _CallRecorder:
+    """Hook target: counts calls and their inclusive FLOPs (counter total after minus before)."""
+
+    def __init__(self, records: dict[str, ModuleRecord]) -> None:
+        self.records = records
+        self.counter: FlopCounterMode | None = None
+        self._next_call = 0
+        self._flops_at_entry: list[int] = []
+
+    def _total(self) -> int:
+        return self.counter.get_total_flops() if self.counter is not None else 0
+
+    def enter(self, fqn: str) -> None:
+        record = self.records[fqn]
+        if record.first_call is None:
+            record.first_call = self._next_call
+        self._next_call += 1
+        record.num_calls += 1
+        self._flops_at_entry.append(self._total())
+
+    def exit(self, fqn: str) -> None:
+        self.records[fqn].flops += float(self._total() - self._flops_at_entry.pop())
+
+
+def _register_hooks(model: nn.Module, recorder: _CallRecorder) -> list[Any]:
+    """Hooks every distinct module once, under its first FQN (``named_modules`` deduplicates)."""
+    handles = []
+    try:
+        for fqn, module in model.named_modules():
+            handles.append(module.register_forward_pre_hook(_pre_hook(recorder, fqn)))
+            handles.append(module.register_forward_hook(_post_hook(recorder, fqn)))
+    except BaseException:
+        for handle in handles:
+            handle.remove()
+        raise
+    return handles
+
+
+def _pre_hook(recorder: _CallRecorder, fqn: str) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any) -> None:
+        recorder.enter(fqn)
+
+    return hook
+
+
+def _post_hook(recorder: _CallRecorder, fqn: str) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        recorder.exit(fqn)
+
+    return hook
+
+
+def _shared_groups(model: nn.Module) -> list[list[str]]:
+    """Union-find over FQNs that hold one ``nn.Parameter`` object directly."""
+    order: list[str] = []
+    root_of: dict[str, str] = {}
+    owner_of_param: dict[int, str] = {}
+
+    def find(fqn: str) -> str:
+        while root_of[fqn] != fqn:
+            root_of[fqn] = root_of[root_of[fqn]]
+            fqn = root_of[fqn]
+        return fqn
+
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        order.append(fqn)
+        root_of[fqn] = fqn
+        for param in module.parameters(recurse=False):
+            first_owner = owner_of_param.setdefault(id(param), fqn)
+            if first_owner != fqn:
+                root_of[find(fqn)] = find(first_owner)
+    groups: dict[str, list[str]] = {}
+    for fqn in order:
+        groups.setdefault(find(fqn), []).append(fqn)
+    return [members for members in groups.values() if len(members) >= 2]

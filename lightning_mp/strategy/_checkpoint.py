@@ -1,0 +1,81 @@
+"""Checkpoints through ``torch.distributed.checkpoint`` (DCP), keyed by the original parameter FQNs.
+
+Every rank holds its own stage's parameters under their original names (the engine never renames), so one DCP
+save writes each parameter once, from the rank that owns it (replicas on other data-parallel ranks are
+deduplicated by DCP's planner), and a load reads each rank's keys wherever they were saved from. A checkpoint
+is a folder: DCP's shards plus ``meta.pt`` with Lightning's non-tensor state (epoch, loops, callbacks), the same
+layout as Lightning's ``ModelParallelStrategy`` with ``save_distributed_checkpoint=True``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.optim import Optimizer
+
+__all__ = ["load_checkpoint", "model_state_dict", "optimizer_state_dict", "save_checkpoint"]
+
+METADATA_FILENAME = "meta.pt"
+
+
+def model_state_dict(model: nn.Module) -> dict[str, Any]:
+    """This rank's parameters and buffers, under their original FQNs."""
+    return get_model_state_dict(model, options=StateDictOptions(cpu_offload=True))
+
+
+def optimizer_state_dict(model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    """This rank's optimizer state, keyed by parameter FQN (not by index, so it survives a new layout)."""
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(cpu_offload=True))
+
+
+def save_checkpoint(checkpoint: dict[str, Any], path: Path, is_global_zero: bool) -> None:
+    """Write ``checkpoint`` (Lightning's dict) as a DCP folder. Every rank must call this.
+
+    Raises:
+        IsADirectoryError: never; an existing file or folder at ``path`` is replaced.
+    """
+    if is_global_zero and path.is_file():
+        path.unlink()
+    dist.barrier()
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {"state_dict": checkpoint.pop("state_dict")}
+    for index, state in enumerate(checkpoint.pop("optimizer_states", [])):
+        tensors[f"optimizer_{index}"] = state
+    dcp.save(tensors, checkpoint_id=path)
+    if is_global_zero:
+        torch.save(checkpoint, path / METADATA_FILENAME)
+
+
+def load_checkpoint(
+    path: Path, model: nn.Module, optimizers: list[Optimizer], *, strict: bool, weights_only: bool | None
+) -> dict[str, Any]:
+    """Load a folder written by :func:`save_checkpoint` into ``model`` and ``optimizers``; return the rest.
+
+    Raises:
+        FileNotFoundError: if ``path`` is not such a folder (e.g. a single-file checkpoint of another strategy).
+    """
+    if not (path / METADATA_FILENAME).is_file():
+        raise FileNotFoundError(
+            f"{path} is not a lightning_mp checkpoint (a folder with {METADATA_FILENAME}). To start from a plain"
+            " PyTorch/Lightning checkpoint file, load its weights into the LightningModule before `fit` instead."
+        )
+    state = {"state_dict": model_state_dict(model)}
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["state_dict"], strict=strict)
+    for index, optimizer in enumerate(optimizers):
+        key = f"optimizer_{index}"
+        optim_state = {key: optimizer_state_dict(model, optimizer)}
+        dcp.load(optim_state, checkpoint_id=path)
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_state[key])
+    return torch.load(path / METADATA_FILENAME, weights_only=weights_only)

@@ -1,0 +1,137 @@
+"""Partitioning at setup: one sample microbatch, a trace on global rank 0, a plan broadcast to every rank.
+
+SMP traced at the first step (paper section 3.1); we trace in ``SMPStrategy.setup`` instead, from the first
+batch of the stage's dataloader (or ``LightningModule.example_input_array``), so that optimizers are built over
+local parameters only and a checkpoint can be restored right after setup.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
+
+from lightning_mp.config import SMPConfig
+from lightning_mp.partition import ModelTrace, PartitionPlan, plan, trace
+from lightning_mp.pipeline import split_microbatches
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["broadcast_plan", "make_plan", "single_stage_plan"]
+
+_STEP_OF_FN = {
+    TrainerFn.FITTING: "training_step",
+    TrainerFn.VALIDATING: "validation_step",
+    TrainerFn.TESTING: "test_step",
+    TrainerFn.PREDICTING: "predict_step",
+}
+
+
+def single_stage_plan(module: torch.nn.Module) -> PartitionPlan:
+    """Everything on stage 0 (pipeline_parallel_degree = 1): no trace needed."""
+    return PartitionPlan(1, {fqn: 0 for fqn, _ in module.named_modules(remove_duplicate=False)}, (1.0,))
+
+
+def make_plan(
+    trainer: pl.Trainer, config: SMPConfig, to_device: Callable[[Any], Any]
+) -> tuple[PartitionPlan, ModelTrace]:
+    """Trace one microbatch through the step the trainer is about to run, and plan the stages.
+
+    Raises:
+        ValueError: if no sample input can be found, or the planner rejects the model/config.
+        RuntimeError: if the model fails while being traced.
+    """
+    module = trainer.lightning_module
+    run = _trace_run(trainer, config, to_device)
+    was_training = module.training
+    module.eval()  # no dropout or batch-norm statistic updates from the trace
+    try:
+        devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=devices):
+            model_trace = trace(module, run)
+    finally:
+        module.train(was_training)
+        _reset_metrics(module)
+    return plan(
+        model_trace,
+        config.pipeline_parallel_degree,
+        memory_weight=config.effective_memory_weight,
+        manual=dict(config.partition),
+        auto_partition=config.auto_partition,
+        default_partition=config.default_partition,
+    ), model_trace
+
+
+def broadcast_plan(result: tuple[PartitionPlan, Any] | BaseException | None, src: int = 0) -> PartitionPlan:
+    """Send the plan (or the error that prevented it) from ``src`` to every rank; raise the error everywhere."""
+    payload = [None]
+    if dist.get_rank() == src:
+        if isinstance(result, BaseException):
+            payload = [("error", type(result).__name__, str(result))]
+        else:
+            payload = [("ok", result[0].to_dict())]
+    dist.broadcast_object_list(payload, src=src)
+    status, *rest = payload[0]
+    if status == "error":
+        kind, message = rest
+        raise (ValueError if kind == "ValueError" else RuntimeError)(f"Partitioning failed on rank {src}: {message}")
+    return PartitionPlan.from_dict(rest[0])
+
+
+def _trace_run(trainer: pl.Trainer, config: SMPConfig, to_device: Callable[[Any], Any]) -> Callable[[], Any]:
+    module = trainer.lightning_module
+    batch = _first_batch(trainer)
+    if batch is None:
+        example = module.example_input_array
+        if example is None:
+            raise ValueError(
+                "lightning_mp needs one sample input to partition the model, but the trainer has no dataloader"
+                " for this stage and `example_input_array` is not set. Set `self.example_input_array` in your"
+                " LightningModule or pass a dataloader/datamodule."
+            )
+        example = to_device(example)
+        if isinstance(example, dict):
+            return lambda: module(**example)
+        return lambda: module(*example) if isinstance(example, tuple) else module(example)
+    microbatch = split_microbatches(to_device(batch), config.microbatches)[0]
+    step = getattr(module, _STEP_OF_FN.get(trainer.state.fn, "training_step"))
+
+    def run() -> Any:
+        module.log = lambda *args, **kwargs: None  # tracing must not log
+        try:
+            return step(microbatch, 0)
+        finally:
+            del module.log
+
+    return run
+
+
+def _first_batch(trainer: pl.Trainer) -> Any | None:
+    loop = {
+        TrainerFn.FITTING: trainer.fit_loop,
+        TrainerFn.VALIDATING: trainer.validate_loop,
+        TrainerFn.TESTING: trainer.test_loop,
+        TrainerFn.PREDICTING: trainer.predict_loop,
+    }.get(trainer.state.fn)
+    source = getattr(loop, "_data_source", None)
+    if source is None or not source.is_defined():
+        return None
+    dataloader = source.dataloader()
+    if isinstance(dataloader, (list, tuple)):
+        dataloader = dataloader[0] if dataloader else None
+    if isinstance(dataloader, dict):
+        dataloader = next(iter(dataloader.values()), None)
+    if dataloader is None:
+        return None
+    return next(iter(dataloader))
+
+
+def _reset_metrics(module: torch.nn.Module) -> None:
+    """Undo the trace's updates of torchmetrics states."""
+    for child in module.modules():
+        if hasattr(child, "_update_count") and hasattr(child, "reset"):
+            child.reset()

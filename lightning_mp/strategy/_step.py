@@ -1,0 +1,169 @@
+"""Per-step glue between Lightning and the pipeline engine: logging, gradients, outputs.
+
+[Note: pipelined step in Lightning] The engine runs forward *and* backward of every microbatch inside
+``SMPStrategy.training_step`` (as DeepSpeed's pipeline engine does in Lightning). Lightning's closure then
+calls ``zero_grad`` and ``backward``: so that ``zero_grad`` cannot wipe the pipeline's gradients,
+:class:`GradientStash` moves them aside during the step and ``SMPStrategy.backward`` adds them back, exactly
+where an eager ``loss.backward()`` would have accumulated them. ``self.log`` calls made once per microbatch are
+recorded by :class:`LogRecorder`, reduced over microbatches on the driver, sent to every stage with the step's
+summary, and replayed once per step on every rank, so logs, the progress bar and ``ModelCheckpoint(monitor=)``
+agree on all ranks as with DDP.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import nn
+
+__all__ = ["GradientStash", "LogRecorder", "StepSummary", "detach_cpu", "all_reduce_gradients"]
+
+_REDUCERS = {"mean": torch.mean, "sum": torch.sum, "max": torch.max, "min": torch.min}
+
+
+def detach_cpu(obj: Any) -> Any:
+    """Every tensor in ``obj`` detached and on the CPU (so it can be sent between stages and kept)."""
+    return apply_to_collection(obj, torch.Tensor, lambda t: t.detach().cpu())
+
+
+@dataclass
+class _LogCall:
+    name: str
+    values: list[Any]
+    args: tuple
+    kwargs: dict
+
+
+@dataclass
+class StepSummary:
+    """What the driver sends to every stage at the end of a step: the merged output and the logged values."""
+
+    output: Any
+    logs: list[tuple[str, Any, tuple, dict]] = field(default_factory=list)
+
+
+class LogRecorder:
+    """Capture ``LightningModule.log`` calls during a pipelined step (see [Note: pipelined step in Lightning]).
+
+    While active, ``module.log`` (and so ``log_dict``) records instead of logging. :meth:`reduced` gives one
+    value per name: the mean over microbatches (or the ``reduce_fx`` the call asked for: sum, max, min).
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self._module = module
+        self._lock = threading.Lock()
+        self._calls: dict[str, _LogCall] = {}
+
+    def __enter__(self) -> LogRecorder:
+        self._module.log = self._record  # instance attribute shadows the method
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        del self._module.log
+
+    def _record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        value = _loggable_value(value)
+        with self._lock:
+            call = self._calls.setdefault(name, _LogCall(name, [], args, kwargs))
+            call.values.append(value)
+
+    def reduced(self) -> list[tuple[str, Any, tuple, dict]]:
+        """``(name, value, args, kwargs)`` per logged name, in first-call order, values reduced over microbatches."""
+        logs = []
+        for call in self._calls.values():
+            reduce_fx = call.kwargs.get("reduce_fx", "mean")
+            reducer = _REDUCERS.get(reduce_fx if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", ""))
+            if reducer is None:
+                reducer = torch.mean
+            stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in call.values])
+            value = reducer(stacked)
+            if isinstance(value, tuple):  # torch.max/min over a dim return (values, indices)
+                value = value[0]
+            logs.append((call.name, value.to(torch.float32), call.args, call.kwargs))
+        return logs
+
+
+def _loggable_value(value: Any) -> Any:
+    """A tensor or number for one microbatch. A torchmetrics ``Metric`` gives its value on that microbatch."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if hasattr(value, "compute") and hasattr(value, "_forward_cache"):  # torchmetrics.Metric
+        cached = value._forward_cache
+        return (cached if cached is not None else value.compute()).detach().cpu()
+    if isinstance(value, (int, float, bool)):
+        return float(value)
+    if isinstance(value, dict):
+        raise TypeError("self.log() got a dict; use self.log_dict() for several values.")
+    raise TypeError(f"self.log() got a value of type {type(value).__name__}; log a tensor or a number.")
+
+
+def replay_logs(module: Any, logs: list[tuple[str, Any, tuple, dict]]) -> None:
+    """Call ``module.log`` once per recorded name (on every rank, same order)."""
+    for name, value, args, kwargs in logs:
+        module.log(name, value, *args, **kwargs)
+
+
+class GradientStash:
+    """Keep the pipeline's gradients away from Lightning's ``zero_grad`` (see the Note above)."""
+
+    def __init__(self) -> None:
+        self._previous: dict[nn.Parameter, torch.Tensor | None] = {}
+        self._pipeline: dict[nn.Parameter, torch.Tensor] = {}
+
+    def begin(self, params: Iterable[nn.Parameter]) -> None:
+        """Before the pipelined step: set gradients aside so the step's own gradients start from zero."""
+        self._previous = {p: p.grad for p in params}
+        self._pipeline = {}
+        for p in self._previous:
+            p.grad = None
+
+    def end(self) -> None:
+        """After the pipelined step: take its gradients and put back the ones from before."""
+        for p, previous in self._previous.items():
+            if p.grad is not None:
+                self._pipeline[p] = p.grad
+            p.grad = previous
+        self._previous = {}
+
+    def pending(self) -> dict[nn.Parameter, torch.Tensor]:
+        return self._pipeline
+
+    def apply(self) -> None:
+        """Accumulate the step's gradients into ``.grad``, as ``loss.backward()`` would have."""
+        for p, grad in self._pipeline.items():
+            p.grad = grad if p.grad is None else p.grad + grad
+        self._pipeline = {}
+
+
+def all_reduce_gradients(
+    params: list[nn.Parameter], grads: dict[nn.Parameter, torch.Tensor], group: dist.ProcessGroup, size: int
+) -> None:
+    """Average ``grads`` over the data-parallel ``group`` in place, in one flat bucket per dtype.
+
+    Every replica passes the same ``params`` (same stage, same plan). A parameter with no gradient on a replica
+    counts as zeros there; it gets a gradient afterwards only if some replica had one, like DDP.
+    """
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in params:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    for dtype, group_params in by_dtype.items():
+        flags = torch.tensor([1.0 if p in grads else 0.0 for p in group_params], dtype=dtype, device=group_params[0].device)
+        chunks = [grads[p].reshape(-1) if p in grads else torch.zeros(p.numel(), dtype=dtype, device=p.device) for p in group_params]
+        bucket = torch.cat([*chunks, flags])
+        dist.all_reduce(bucket, group=group)
+        bucket /= size
+        offset = 0
+        for p in group_params:
+            reduced = bucket[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+            grads[p] = reduced.clone()
+        present = bucket[offset:]
+        for p, flag in zip(group_params, present.tolist()):
+            if flag == 0.0:
+                grads.pop(p, None)

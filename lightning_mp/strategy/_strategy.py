@@ -1,0 +1,513 @@
+"""``SMPStrategy``: the Lightning strategy ``"smp"`` (pipeline x data parallel, automatic partitioning)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_mp.comm import Transport
+from lightning_mp.config import SMPConfig
+from lightning_mp.partition import PartitionPlan
+from lightning_mp.pipeline import MicrobatchSplitError, PipelineEngine, merge_microbatches, split_microbatches
+from lightning_mp.strategy import _checkpoint
+from lightning_mp.strategy._placement import broadcast_plan, make_plan, single_stage_plan
+from lightning_mp.strategy._step import (
+    GradientStash,
+    LogRecorder,
+    StepSummary,
+    all_reduce_gradients,
+    detach_cpu,
+    replay_logs,
+)
+from lightning_mp.topology import MeshAxis, Topology, build_device_mesh
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["SMPStrategy"]
+
+
+class SMPStrategy(ParallelStrategy):
+    """Model parallelism after the SageMaker model parallelism library (Karakus et al., 2021), for Lightning.
+
+    The model is split automatically into ``pipeline_parallel_degree`` stages (paper section 3.1) and run by a
+    module-server pipeline engine (section 3.2) that keeps the LightningModule's eager Python code working;
+    the remaining factor of the world size is data parallelism: ``dp = world_size / (pp * tp)``. Each step the
+    batch is split into ``microbatches`` along dim 0; pipeline rank 0 runs ``training_step`` per microbatch;
+    the step returns the mean loss on every rank.
+
+    Args:
+        pipeline_parallel_degree: number of pipeline stages (SMP ``partitions``).
+        tensor_parallel_degree: must be 1 for now (tensor parallelism is not built yet).
+        microbatches: microbatches per batch; every tensor's dim 0 must divide by it.
+        pipeline: ``"interleaved"`` (backward first whenever ready, 1F1B-like memory) or ``"simple"`` (GPipe).
+        active_microbatches: cap on microbatches in flight; ``None`` = ``pipeline_parallel_degree + 2``.
+        auto_partition: balance modules over stages automatically; if ``False``, ``partition`` must place them.
+        default_partition: stage of unplaced modules when ``auto_partition=False``.
+        partition: manual placement ``{module FQN: stage}``; innermost wins; auto fills the rest.
+        optimize: ``"speed"`` (memory_weight 0.2) or ``"memory"`` (0.8), the partition objective preset.
+        memory_weight: weight of memory balance in [0, 1]; overrides ``optimize``.
+        process_group_backend: ``None`` picks gloo on CPU, NCCL on CUDA.
+        timeout: how long any rank waits for a peer before raising (collectives and pipeline messages).
+        start_method: ``"popen"`` (re-run the script per rank, like ``ddp``) or ``"spawn"``/``"fork"``.
+
+    Raises:
+        ValueError: at construction for invalid values (see :class:`lightning_mp.SMPConfig`); at setup for a world
+            size not divisible by ``pipeline_parallel_degree``, a model with fewer placeable modules than stages,
+            or a batch that does not split into ``microbatches``.
+    """
+
+    strategy_name = "smp"
+
+    def __init__(
+        self,
+        pipeline_parallel_degree: int = 1,
+        tensor_parallel_degree: int = 1,
+        microbatches: int = 1,
+        pipeline: Literal["interleaved", "simple"] = "interleaved",
+        active_microbatches: int | None = None,
+        auto_partition: bool = True,
+        default_partition: int = 0,
+        partition: dict[str, int] | None = None,
+        optimize: Literal["speed", "memory"] = "speed",
+        memory_weight: float | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork"] = "popen",
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.config = SMPConfig(
+            pipeline_parallel_degree=pipeline_parallel_degree,
+            tensor_parallel_degree=tensor_parallel_degree,
+            microbatches=microbatches,
+            pipeline=pipeline,
+            active_microbatches=active_microbatches,
+            auto_partition=auto_partition,
+            default_partition=default_partition,
+            partition=dict(partition or {}),
+            optimize=optimize,
+            memory_weight=memory_weight,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self._start_method = start_method
+        self.num_nodes = 1
+        self._topology: Topology | None = None
+        self._device_mesh: DeviceMesh | None = None
+        self._engine: PipelineEngine | None = None
+        self._plan: PartitionPlan | None = None
+        self._grads = GradientStash()
+        self._warned_eval_split = False
+
+    # ---- parallel layout -------------------------------------------------------------------------------------
+
+    @property
+    def topology(self) -> Topology:
+        """This rank's (dp, pp, tp) coordinates. Available after ``setup_environment``."""
+        if self._topology is None:
+            raise RuntimeError("The topology exists after the processes are launched; call `trainer.fit` first.")
+        return self._topology
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self._device_mesh is None:
+            raise RuntimeError("The device mesh exists after the processes are launched; call `trainer.fit` first.")
+        return self._device_mesh
+
+    @property
+    def partition_plan(self) -> PartitionPlan:
+        """Module FQN -> stage, the same on every rank. Available after ``setup``."""
+        if self._plan is None:
+            raise RuntimeError("The partition plan is made in `setup`; it exists once the trainer has started.")
+        return self._plan
+
+    @property
+    def pp_rank(self) -> int:
+        return self.topology.pp_rank
+
+    @property
+    def dp_rank(self) -> int:
+        return self.topology.dp_rank
+
+    @property
+    def tp_rank(self) -> int:
+        return self.topology.tp_rank
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """Lightning reads this from custom strategies to insert a ``DistributedSampler``."""
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Shard data over the data-parallel axis only: all stages of one replica read the same batches."""
+        return {"num_replicas": self.topology.data_parallel_degree, "rank": self.topology.dp_rank}
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            if not self.cluster_environment.creates_processes_externally:
+                self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        backend = self.config.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        # Fail before the first collective: the layout is pure arithmetic on the world size.
+        self._topology = Topology(
+            self.world_size,
+            self.global_rank,
+            self.config.pipeline_parallel_degree,
+            self.config.tensor_parallel_degree,
+        )
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, backend, timeout=self.config.timeout)
+        self._device_mesh = build_device_mesh(self._topology, self.root_device.type)
+        self._engine = self._build_engine()
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def _build_engine(self) -> PipelineEngine:
+        """One dedicated point-to-point group per pipeline (every rank creates every group, in one order)."""
+        topology = self.topology
+        own_group = None
+        for dp_rank in range(topology.data_parallel_degree):
+            for tp_rank in range(topology.tensor_parallel_degree):
+                ranks = [
+                    topology.global_rank(dp_rank=dp_rank, pp_rank=s, tp_rank=tp_rank)
+                    for s in range(topology.pipeline_parallel_degree)
+                ]
+                group = dist.new_group(ranks, timeout=self.config.timeout)
+                if topology.rank in ranks:
+                    own_group = group
+        assert own_group is not None
+        return PipelineEngine(
+            Transport(own_group, self.root_device),
+            topology.pipeline_parallel_degree,
+            schedule=self.config.pipeline,
+            active_microbatches=self.config.effective_active_microbatches,
+            timeout_s=self.config.timeout.total_seconds(),
+            forward_context=self.precision_plugin.forward_context,
+            global_ranks=topology.pp_group_ranks(),
+        )
+
+    # ---- setup -----------------------------------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self._check_supported(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._place_modules(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            if self.config.pipeline_parallel_degree > 1:
+                self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _check_supported(self, trainer: pl.Trainer) -> None:
+        module = self.lightning_module
+        if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
+            raise ValueError(
+                "The 'smp' strategy runs backward inside the pipeline, so manual optimization"
+                " (`self.automatic_optimization = False`) is not supported. Use automatic optimization."
+            )
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(
+                "precision='16-mixed' uses a GradScaler, which the 'smp' pipeline does not support yet."
+                " Use precision='bf16-mixed' or '32-true'."
+            )
+
+    def _place_modules(self, trainer: pl.Trainer) -> None:
+        """Trace and plan on global rank 0, broadcast, keep this stage's modules (see ``_placement``)."""
+        if self._plan is not None:  # already placed (e.g. validate after fit): the layout stays
+            return
+        module = self.lightning_module
+        if self.config.pipeline_parallel_degree == 1:
+            self._plan = single_stage_plan(module)
+        else:
+            result: Any = None
+            if self.global_rank == 0:
+                try:
+                    result = make_plan(trainer, self.config, self.batch_to_device)
+                except (ValueError, RuntimeError, MicrobatchSplitError) as err:
+                    result = err
+            self._plan = broadcast_plan(result)
+            if self.global_rank == 0:
+                rank_zero_info("lightning_mp partition plan:\n" + self._plan.format_table(result[1]))
+        assert self._engine is not None
+        self._engine.install(module, self._plan.stage_of)
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ---- steps -----------------------------------------------------------------------------------------------
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        trainer = self.lightning_module.trainer
+        scale = self.config.microbatches * trainer.accumulate_grad_batches
+        params = list(self.model.parameters())
+        self._grads.begin(params)
+        try:
+            output = self._pipelined_step(
+                "training_step", self.precision_plugin.train_step_context, args, kwargs, loss_scale=scale
+            )
+        finally:
+            self._grads.end()
+        return output
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._pipelined_step("validation_step", self.precision_plugin.val_step_context, args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._pipelined_step("test_step", self.precision_plugin.test_step_context, args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._pipelined_step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+
+    def _pipelined_step(
+        self, hook: str, context: Any, args: tuple, kwargs: dict, loss_scale: float | None = None
+    ) -> Any:
+        """Run ``hook`` per microbatch through the pipeline; every rank returns the merged, detached output."""
+        assert self._engine is not None
+        module = self.lightning_module
+        batch, rest = args[0], args[1:]
+        microbatches = self._split(batch, training=loss_scale is not None)
+        step = getattr(module, hook)
+
+        def step_fn(microbatch: Any, index: int) -> Any:
+            with context():
+                return step(microbatch, *rest, **kwargs)
+
+        with self._engine.session() as session:
+            if self._engine.is_driver:
+                with LogRecorder(module) as recorder:
+                    outputs = session.drive(
+                        step_fn,
+                        microbatches,
+                        loss_fn=partial(_scaled_loss, scale=loss_scale),
+                        backward=loss_scale is not None,
+                    )
+                summary = StepSummary(merge_microbatches([detach_cpu(o) for o in outputs]), recorder.reduced())
+                session.finish(summary)
+            else:
+                summary = session.serve()
+        replay_logs(module, summary.logs)
+        return _to_device(summary.output, self.root_device)
+
+    def _split(self, batch: Any, training: bool) -> list[Any]:
+        """Split on every rank (all stages hold the batch), so a bad batch fails everywhere before any message."""
+        try:
+            return split_microbatches(batch, self.config.microbatches)
+        except MicrobatchSplitError:
+            if training:
+                raise
+            if not self._warned_eval_split:
+                rank_zero_warn(
+                    f"An evaluation batch does not split into `microbatches={self.config.microbatches}`; running"
+                    " such batches as one microbatch (results are the same, only slower). Use `drop_last=True` or a"
+                    " divisible batch size to avoid this."
+                )
+                self._warned_eval_split = True
+            return [batch]
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """Finish a pipelined step's backward (it already ran): reduce over DP, put gradients into ``.grad``."""
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        if self.topology.data_parallel_degree > 1:
+            all_reduce_gradients(
+                list(self.model.parameters()),
+                self._grads.pending(),
+                self.device_mesh.get_group(MeshAxis.DP.value),
+                self.topology.data_parallel_degree,
+            )
+        self._grads.apply()
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float | int) -> None:
+        """``gradient_clip_algorithm="norm"`` over the whole model: the norm is reduced over pipeline stages."""
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grads = [p.grad for p in params]
+        local = torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else torch.zeros((), device=self.root_device)
+        squared = (local.to(torch.float64) ** 2).reshape(1)
+        dist.all_reduce(squared, group=self._engine.transport.group)
+        total = squared.sqrt().to(local.dtype)
+        torch.nn.utils.clip_grads_with_norm_(params, clip_val, total)
+
+    # ---- collectives -----------------------------------------------------------------------------------------
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        payload = [obj]
+        dist.broadcast_object_list(payload, src, group=_group.WORLD)
+        return payload[0]
+
+    @override
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ---- checkpoints -----------------------------------------------------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return _checkpoint.model_state_dict(self.model)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return _checkpoint.optimizer_state_dict(self.model, optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("The 'smp' strategy saves through torch.distributed.checkpoint; `storage_options` is unused.")
+        path = Path(self.broadcast(str(filepath)))
+        _checkpoint.save_checkpoint(checkpoint, path, self.is_global_zero)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        return _checkpoint.load_checkpoint(
+            path, self.model, optimizers, strict=self.lightning_module.strict_loading, weights_only=weights_only
+        )
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # loaded in `load_checkpoint`
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # loaded in `load_checkpoint`
+
+    @override
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            "smp", cls, description="lightning_mp: automatic pipeline partitioning x data parallel (SageMaker MP design)"
+        )
+
+
+def _scaled_loss(output: Any, scale: float | None) -> Tensor | None:
+    """The tensor a microbatch backpropagates: its loss / (microbatches x accumulate_grad_batches)."""
+    if scale is None or output is None:
+        return None
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    if not isinstance(loss, Tensor):
+        raise TypeError(
+            f"training_step must return a loss tensor or a dict with 'loss' under the 'smp' strategy, got {type(loss).__name__}."
+        )
+    return loss / scale
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    from lightning.fabric.utilities.apply_func import move_data_to_device
+
+    return move_data_to_device(obj, device)

@@ -1,0 +1,121 @@
+"""Tier 2: ``Trainer.fit`` with ``strategy="smp"`` against the same LightningModule on one process.
+
+Every layout (pp x dp, microbatches, schedule) must give the same per-step losses, the same logged values and
+the same updated parameters as plain Lightning on one device with the full batch (float32, rtol 1e-5).
+"""
+
+from __future__ import annotations
+
+import os
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import lightning_mp
+from tests.models import Branchy, MLPStack, TinyLM
+
+MODELS = {"mlp": MLPStack, "branchy": Branchy, "tiedlm": TinyLM}
+STEPS, GLOBAL_BATCH = 3, 8
+
+
+class Wrapped(L.LightningModule):
+    def __init__(self, model_name: str) -> None:
+        super().__init__()
+        self.model_name = model_name
+        self.net = MODELS[model_name]()
+
+    def training_step(self, batch, batch_idx):
+        loss = MODELS[self.model_name].loss(self.net, batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        """Shard i of the reference batches, in order (Lightning's own sampler would shuffle)."""
+        cls = MODELS[self.model_name]
+        parts = [cls.batch(n=GLOBAL_BATCH, seed=step) for step in range(STEPS)]
+        dataset = TensorDataset(*(torch.cat(t) for t in zip(*parts)))
+        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
+        sampler = DistributedSampler(dataset, shuffle=False, **kwargs)
+        return DataLoader(dataset, batch_size=GLOBAL_BATCH // kwargs["num_replicas"], sampler=sampler, drop_last=True)
+
+
+class Record(L.Callback):
+    """Per rank: the loss each step returned, the value logged, and the final local parameters."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self.losses: list[float] = []
+        self.logged: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+        self.logged.append(float(trainer.callback_metrics["train_loss"]))
+
+    def on_train_end(self, trainer, pl_module):
+        params = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+        torch.save(
+            {"losses": self.losses, "logged": self.logged, "params": params},
+            os.path.join(self.out_dir, f"{trainer.global_rank}.pt"),
+        )
+
+
+def _fit(model_name: str, out_dir: str, strategy=None, devices: int = 1) -> list[dict]:
+    torch.manual_seed(0)
+    model = Wrapped(model_name)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy if strategy is not None else "auto",
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Record(out_dir)],
+        use_distributed_sampler=False,
+    )
+    trainer.fit(model)
+    return [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(devices)]
+
+
+@pytest.mark.parametrize(
+    ("model_name", "pp", "dp", "microbatches", "schedule"),
+    [
+        ("mlp", 2, 1, 1, "interleaved"),
+        ("branchy", 2, 1, 4, "interleaved"),
+        ("tiedlm", 2, 1, 4, "simple"),
+        ("mlp", 1, 2, 2, "interleaved"),
+        ("tiedlm", 2, 2, 2, "interleaved"),
+    ],
+    ids=["mlp-pp2-mb1", "branchy-pp2-mb4", "tiedlm-pp2-mb4-simple", "mlp-dp2-mb2", "tiedlm-pp2xdp2-mb2"],
+)
+def test_fit_matches_one_process(tmp_path, model_name, pp, dp, microbatches, schedule):
+    reference = _fit(model_name, str(tmp_path / "ref") if os.makedirs(tmp_path / "ref") is None else "")[0]
+    os.makedirs(tmp_path / "smp")
+    strategy = lightning_mp.SMPStrategy(
+        pipeline_parallel_degree=pp, microbatches=microbatches, pipeline=schedule, start_method="spawn"
+    )
+    results = _fit(model_name, str(tmp_path / "smp"), strategy, devices=pp * dp)
+
+    # Global ranks r*pp .. r*pp+pp-1 form data-parallel replica r. Every stage of a replica reports that
+    # replica's loss (the mean over its shard of the batch); the mean over replicas is the full-batch loss.
+    replicas = [results[r * pp : (r + 1) * pp] for r in range(dp)]
+    for stage in range(pp):
+        for key in ("losses", "logged"):
+            per_replica = torch.tensor([replica[stage][key] for replica in replicas])
+            torch.testing.assert_close(per_replica.mean(0).tolist(), reference[key], rtol=1e-5, atol=1e-6)
+    for replica in replicas:
+        for key in ("losses", "logged"):
+            assert all(result[key] == replica[0][key] for result in replica), "stages of a replica agree"
+    replica0 = replicas[0]
+    owned = sorted(name for result in replica0 for name in result["params"])
+    assert owned == sorted(reference["params"]), "each parameter lives on exactly one stage of a replica"
+    for result in results:
+        assert result["params"], "every rank owns parameters"
+        for name, value in result["params"].items():
+            torch.testing.assert_close(value, reference["params"][name], rtol=1e-5, atol=1e-6, msg=name)
