@@ -101,3 +101,44 @@ def test_two_stage_pipeline_matches_one_process(model_name, placement, microbatc
     results = run_distributed(_pipelined, 2, model_name, placement, microbatches, schedule)
     _assert_matches_reference(results, _reference(model_name))
     assert all(len(r["params"]) > 0 for r in results), "both stages own parameters"
+
+
+class _Exploding(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(4, 4)
+        self.second = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.second(self.first(x))
+        return h
+
+
+def _failing_step(rank: int, world_size: int) -> str:
+    model = _Exploding()
+
+    def explode(self, x):
+        raise ValueError("shape mismatch in user code")
+
+    transport = Transport(dist.new_group([0, 1]), torch.device("cpu"))
+    engine = PipelineEngine(transport, 2, timeout_s=30)
+    engine.install(model, expand_placement(model, {"second": 1}))
+    if rank == 1:
+        model.second.forward = explode.__get__(model.second)
+    try:
+        with engine.session() as session:
+            if engine.is_driver:
+                session.drive(lambda mb, i: model(mb).sum(), [torch.ones(2, 4)], loss_fn=lambda l: l, backward=True)
+                session.finish(None)
+            else:
+                session.serve()
+    except Exception as err:  # noqa: BLE001 - the test inspects the message
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def test_error_on_a_stage_fails_every_rank_with_its_name():
+    driver, server = run_distributed(_failing_step, 2)
+    assert driver.startswith("PipelineError") and "pipeline stage 1 (global rank 1)" in driver
+    assert "shape mismatch in user code" in driver and "'second'" in driver
+    assert server.startswith("PipelineError") and "failed on pipeline stage 0" in server

@@ -100,16 +100,33 @@ class PartitionPlan:
             record = trace.modules.get(fqn)
             num_params[stage] += record.num_params if record is not None else 0
         header = ("stage", "modules", "parameters", "cost")
+        shown = self._display_modules()
         rows = [
             (
                 str(stage),
-                _abbreviate(self.modules_on(stage)),
+                _abbreviate(shown[stage]),
                 f"{num_params[stage]:,}",
                 f"{100.0 * self.stage_costs[stage]:.1f}%",
             )
             for stage in range(self.num_stages)
         ]
         return _render_table(header, rows)
+
+    def _display_modules(self) -> list[list[str]]:
+        """Per stage, the modules worth naming: children of modules whose subtree spans several stages."""
+        spans: dict[str, set[int]] = {fqn: {stage} for fqn, stage in self.stage_of.items()}
+        for fqn in sorted(self.stage_of, key=lambda f: -f.count(".") if f else 1):
+            if fqn != _ROOT:
+                spans.setdefault(_parent_of(fqn), set()).update(spans[fqn])
+        shown: list[list[str]] = [[] for _ in range(self.num_stages)]
+        for fqn, stage in self.stage_of.items():
+            if fqn == _ROOT:
+                if len(spans[fqn]) == 1:
+                    shown[stage].append("<root>")
+                continue
+            if len(spans[_parent_of(fqn)]) > 1 and len(spans[fqn]) == 1:
+                shown[stage].append(fqn)
+        return shown
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as plain JSON-able data; :meth:`from_dict` reverses it."""

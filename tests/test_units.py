@@ -1,0 +1,134 @@
+"""Tier 1: one process, no process group. Split/merge, config and topology validation, wire format."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import timedelta
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from lightning_mp import SMPConfig, SMPStrategy, Topology
+from lightning_mp.comm._transport import _unpack, pack
+from lightning_mp.pipeline import MicrobatchSplitError, merge_microbatches, split_microbatches
+
+
+class Pair(NamedTuple):
+    x: torch.Tensor
+    label: str
+
+
+@dataclasses.dataclass
+class Inputs:
+    ids: torch.Tensor
+    mask: torch.Tensor | None
+    temperature: float = 1.0
+
+
+def test_split_recurses_and_replicates_non_tensors():
+    batch = {
+        "pair": Pair(torch.arange(8).reshape(8, 1), "tag"),
+        "inputs": Inputs(torch.arange(16).reshape(8, 2), None, 0.5),
+        "list": [torch.ones(8, 3), 7],
+        "scalar": torch.tensor(2.0),
+    }
+    parts = split_microbatches(batch, 4)
+    assert len(parts) == 4
+    for index, part in enumerate(parts):
+        assert part["pair"].label == "tag" and part["list"][1] == 7
+        assert torch.equal(part["pair"].x, torch.arange(8).reshape(8, 1)[2 * index : 2 * index + 2])
+        assert part["inputs"].ids.shape == (2, 2) and part["inputs"].mask is None
+        assert part["inputs"].temperature == 0.5
+        assert part["scalar"] is batch["scalar"]
+
+
+def test_split_then_merge_is_identity_for_tensors():
+    batch = (torch.randn(12, 3), {"y": torch.arange(12)})
+    merged = merge_microbatches(split_microbatches(batch, 3))
+    assert torch.equal(merged[0], batch[0]) and torch.equal(merged[1]["y"], batch[1]["y"])
+
+
+def test_merge_averages_scalars():
+    merged = merge_microbatches([{"loss": torch.tensor(1.0), "n": 2}, {"loss": torch.tensor(3.0), "n": 4}])
+    assert merged["loss"].item() == pytest.approx(2.0) and merged["n"] == pytest.approx(3.0)
+
+
+def test_indivisible_batch_is_a_clear_error():
+    with pytest.raises(MicrobatchSplitError, match=r"batch\[0\] with shape \(10, 3\) into 4 microbatches.*drop_last"):
+        split_microbatches([torch.zeros(10, 3)], 4)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"tensor_parallel_degree": 2}, "tensor_parallel_degree=2` is not supported yet"),
+        ({"microbatches": 0}, "`microbatches` must be an integer >= 1, got 0"),
+        ({"pipeline": "1f1b"}, "`pipeline` must be 'interleaved' or 'simple'"),
+        ({"pipeline_parallel_degree": 2, "partition": {"h.0": 2}}, r"Stage 2 for 'h.0' is out of range: stages are 0..1"),
+        ({"memory_weight": 1.5}, r"`memory_weight` must be in \[0, 1\], got 1.5"),
+        ({"pipeline_parallel_degree": 2, "auto_partition": False}, "needs a manual placement"),
+        ({"timeout": timedelta(0)}, "`timeout` must be positive"),
+    ],
+)
+def test_config_errors_name_the_value_and_fix(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SMPConfig(**kwargs)
+    with pytest.raises(ValueError, match=match):
+        SMPStrategy(**kwargs)  # the strategy validates at construction, before any process starts
+
+
+def test_config_defaults_follow_smp():
+    config = SMPConfig(pipeline_parallel_degree=3)
+    assert config.effective_memory_weight == 0.2
+    assert SMPConfig(optimize="memory").effective_memory_weight == 0.8
+    assert config.effective_active_microbatches == 5
+
+
+@pytest.mark.parametrize("rank", range(8))
+def test_topology_grid(rank):
+    topo = Topology(world_size=8, rank=rank, pipeline_parallel_degree=2, tensor_parallel_degree=1)
+    assert topo.data_parallel_degree == 4
+    assert topo.global_rank(dp_rank=topo.dp_rank, pp_rank=topo.pp_rank, tp_rank=topo.tp_rank) == rank
+    assert rank in topo.pp_group_ranks() and rank in topo.dp_group_ranks()
+    assert len(set(topo.pp_group_ranks()) & set(topo.dp_group_ranks())) == 1
+
+
+def test_topology_rejects_indivisible_world():
+    with pytest.raises(ValueError, match=r"World size 3 is not divisible by pipeline_parallel_degree \(2\)"):
+        Topology(world_size=3, rank=0, pipeline_parallel_degree=2)
+
+
+def test_wire_format_round_trip_keeps_structure_dtype_and_flags():
+    shared = torch.randn(3, requires_grad=True)
+    obj = {
+        "float": shared,
+        "again": shared,
+        "ints": torch.arange(5, dtype=torch.int32),
+        "mask": torch.tensor([True, False]),
+        "half": torch.randn(2, 2).to(torch.bfloat16),
+        "empty": torch.zeros(0, 4),
+        "view": torch.randn(4, 4).t(),
+        "nested": Inputs(torch.ones(2), None),
+        "text": "hi",
+    }
+    packed = pack(obj)
+    data = torch.empty(packed.data_nbytes, dtype=torch.uint8)
+    offset = 0
+    for tensor in packed.tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes:
+            data[offset : offset + nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+        offset += -(-nbytes // 16) * 16
+    message = _unpack(packed.payload, data, torch.device("cpu"))
+    out = message.obj
+    assert out["float"] is out["again"], "one tensor sent twice arrives as one tensor"
+    assert message.requires_grad == [t.requires_grad for t in packed.tensors]
+    for key in ("float", "ints", "mask", "half", "empty", "view"):
+        assert out[key].dtype == obj[key].dtype and torch.equal(out[key], obj[key].detach()), key
+    assert isinstance(out["nested"], Inputs) and out["text"] == "hi"
+
+
+def test_unpicklable_value_is_a_clear_error():
+    with pytest.raises(TypeError, match="Cannot send .* between pipeline stages"):
+        pack({"fn": lambda x: x})
