@@ -12,6 +12,7 @@ the strategy.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from lightning.pytorch.cli import LightningCLI
@@ -21,8 +22,11 @@ import lightning_mp  # noqa: F401  (registers "smp")
 
 def main(args: list[str] | None = None) -> None:
     """Run LightningCLI over any LightningModule/DataModule subclasses named in the config or arguments."""
-    if "" not in sys.path:
-        sys.path.insert(0, "")  # so `examples.*` and user modules in the working directory resolve
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        # `examples.*` and user modules in the working directory resolve (absolute path: jsonargparse changes
+        # directory to the config file's folder while parsing it)
+        sys.path.insert(0, cwd)
     LightningCLI(args=args, subclass_mode_model=True, subclass_mode_data=True, save_config_kwargs={"overwrite": True})
 
 
