@@ -119,3 +119,50 @@ def test_fit_matches_one_process(tmp_path, model_name, pp, dp, microbatches, sch
         assert result["params"], "every rank owns parameters"
         for name, value in result["params"].items():
             torch.testing.assert_close(value, reference["params"][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _fit_with_checkpoint(out_dir: str, ckpt_dir: str, strategy, devices: int, max_steps: int, ckpt_path=None):
+    torch.manual_seed(0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Record(out_dir), L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True)],
+        use_distributed_sampler=False,
+    )
+    trainer.fit(Wrapped("tiedlm"), ckpt_path=ckpt_path)
+    return [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(devices)]
+
+
+@pytest.mark.parametrize("resume_pp", [2, 1], ids=["resume-same-layout", "resume-pp2-as-pp1"])
+def test_checkpoint_resume_matches_one_process(tmp_path, resume_pp):
+    """Save after one epoch with pp=2 (parameters and SGD momentum, keyed by FQN), resume for a second epoch.
+
+    The reference is plain Lightning on one device doing the same save and resume.
+    """
+    for name in ("ref1", "ref2", "first", "second"):
+        os.makedirs(tmp_path / name)
+    _fit_with_checkpoint(str(tmp_path / "ref1"), str(tmp_path / "ck_ref"), "auto", 1, STEPS)
+    reference = _fit_with_checkpoint(
+        str(tmp_path / "ref2"), str(tmp_path / "ck_ref2"), "auto", 1, 2 * STEPS,
+        ckpt_path=str(tmp_path / "ck_ref" / "last.ckpt"),
+    )[0]
+
+    def smp(pp):
+        return lightning_mp.SMPStrategy(pipeline_parallel_degree=pp, microbatches=2, start_method="spawn")
+
+    _fit_with_checkpoint(str(tmp_path / "first"), str(tmp_path / "ck"), smp(2), 2, STEPS)
+    assert (tmp_path / "ck" / "last.ckpt" / "meta.pt").is_file(), "a DCP folder with Lightning's metadata"
+    resumed = _fit_with_checkpoint(
+        str(tmp_path / "second"), str(tmp_path / "ck2"), smp(resume_pp), resume_pp, 2 * STEPS,
+        ckpt_path=str(tmp_path / "ck" / "last.ckpt"),
+    )
+    torch.testing.assert_close(resumed[0]["losses"], reference["losses"], rtol=1e-5, atol=1e-6)
+    got = {name: value for result in resumed for name, value in result["params"].items()}
+    assert sorted(got) == sorted(reference["params"])
+    for name, value in got.items():
+        torch.testing.assert_close(value, reference["params"][name], rtol=1e-5, atol=1e-6, msg=name)

@@ -34,9 +34,15 @@ def model_state_dict(model: nn.Module) -> dict[str, Any]:
     return get_model_state_dict(model, options=StateDictOptions(cpu_offload=True))
 
 
+# Flattened: one key per (parameter FQN, state or hyper-parameter), e.g. "state.h.0.attn.weight.momentum_buffer"
+# and "param_groups.h.0.attn.weight.lr". Nested param_groups lists would be one key shared by every stage,
+# which DCP deduplicates to rank 0's copy.
+_OPTIM_OPTIONS = StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True)
+
+
 def optimizer_state_dict(model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
     """This rank's optimizer state, keyed by parameter FQN (not by index, so it survives a new layout)."""
-    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(cpu_offload=True))
+    return get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS)
 
 
 def save_checkpoint(checkpoint: dict[str, Any], path: Path, is_global_zero: bool) -> None:
@@ -77,5 +83,5 @@ def load_checkpoint(
         key = f"optimizer_{index}"
         optim_state = {key: optimizer_state_dict(model, optimizer)}
         dcp.load(optim_state, checkpoint_id=path)
-        set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_state[key])
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_state[key], options=_OPTIM_OPTIONS)
     return torch.load(path / METADATA_FILENAME, weights_only=weights_only)
