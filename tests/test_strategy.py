@@ -64,7 +64,7 @@ class Record(L.Callback):
         )
 
 
-def _fit(model_name: str, out_dir: str, strategy=None, devices: int = 1) -> list[dict]:
+def _fit(model_name: str, out_dir: str, strategy=None, devices: int = 1, **trainer_kwargs) -> list[dict]:
     torch.manual_seed(0)
     model = Wrapped(model_name)
     trainer = L.Trainer(
@@ -78,29 +78,40 @@ def _fit(model_name: str, out_dir: str, strategy=None, devices: int = 1) -> list
         enable_model_summary=False,
         callbacks=[Record(out_dir)],
         use_distributed_sampler=False,
+        **trainer_kwargs,
     )
     trainer.fit(model)
     return [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(devices)]
 
 
+CLIP = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}  # small enough to clip every step
+
+
 @pytest.mark.parametrize(
-    ("model_name", "pp", "dp", "microbatches", "schedule"),
+    ("model_name", "pp", "dp", "microbatches", "schedule", "trainer_kwargs"),
     [
-        ("mlp", 2, 1, 1, "interleaved"),
-        ("branchy", 2, 1, 4, "interleaved"),
-        ("tiedlm", 2, 1, 4, "simple"),
-        ("mlp", 1, 2, 2, "interleaved"),
-        ("tiedlm", 2, 2, 2, "interleaved"),
+        ("mlp", 2, 1, 1, "interleaved", {}),
+        ("branchy", 2, 1, 4, "interleaved", CLIP),
+        ("tiedlm", 2, 1, 4, "simple", {"accumulate_grad_batches": 2}),
+        ("mlp", 1, 2, 2, "interleaved", {}),
+        ("tiedlm", 2, 2, 2, "interleaved", CLIP),
     ],
-    ids=["mlp-pp2-mb1", "branchy-pp2-mb4", "tiedlm-pp2-mb4-simple", "mlp-dp2-mb2", "tiedlm-pp2xdp2-mb2"],
+    ids=[
+        "mlp-pp2-mb1",
+        "branchy-pp2-mb4-clipnorm",
+        "tiedlm-pp2-mb4-simple-accumulate2",
+        "mlp-dp2-mb2",
+        "tiedlm-pp2xdp2-mb2-clipnorm",
+    ],
 )
-def test_fit_matches_one_process(tmp_path, model_name, pp, dp, microbatches, schedule):
-    reference = _fit(model_name, str(tmp_path / "ref") if os.makedirs(tmp_path / "ref") is None else "")[0]
+def test_fit_matches_one_process(tmp_path, model_name, pp, dp, microbatches, schedule, trainer_kwargs):
+    os.makedirs(tmp_path / "ref")
     os.makedirs(tmp_path / "smp")
+    reference = _fit(model_name, str(tmp_path / "ref"), **trainer_kwargs)[0]
     strategy = lightning_mp.SMPStrategy(
         pipeline_parallel_degree=pp, microbatches=microbatches, pipeline=schedule, start_method="spawn"
     )
-    results = _fit(model_name, str(tmp_path / "smp"), strategy, devices=pp * dp)
+    results = _fit(model_name, str(tmp_path / "smp"), strategy, devices=pp * dp, **trainer_kwargs)
 
     # Global ranks r*pp .. r*pp+pp-1 form data-parallel replica r. Every stage of a replica reports that
     # replica's loss (the mean over its shard of the batch); the mean over replicas is the full-batch loss.

@@ -418,8 +418,8 @@ class SMPStrategy(ParallelStrategy):
         grads = [p.grad for p in params]
         local = torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else torch.zeros((), device=self.root_device)
         squared = (local.to(torch.float64) ** 2).reshape(1)
-        dist.all_reduce(squared, group=self._engine.transport.group)
-        total = squared.sqrt().to(local.dtype)
+        dist.all_reduce(squared, group=self.device_mesh.get_group(MeshAxis.PP.value))
+        total = squared.sqrt().to(local.dtype).reshape(())
         torch.nn.utils.clip_grads_with_norm_(params, clip_val, total)
 
     # ---- collectives -----------------------------------------------------------------------------------------

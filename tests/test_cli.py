@@ -1,0 +1,72 @@
+"""Tier 3: the ``lightning-mp`` console script with the shipped configs, small and bounded."""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def _cli() -> list[str]:
+    script = shutil.which("lightning-mp", path=os.path.dirname(sys.executable))
+    assert script is not None, "the `lightning-mp` console script is installed with the package"
+    return [script]
+
+
+def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(_cli() + args, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def test_configs_exist():
+    names = {path.name for path in CONFIGS}
+    assert {"gpt_pp2.yaml", "gpt_single.yaml"} <= names
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[path.stem for path in CONFIGS])
+def test_shipped_config_parses(config):
+    result = _run(["fit", "--config", str(config), "--print_config"], timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "class_path:" in result.stdout
+
+
+def test_strategy_by_name_parses():
+    result = _run(
+        ["fit", "--config", "configs/gpt_single.yaml", "--trainer.strategy", "smp", "--print_config"], timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "strategy: smp" in result.stdout
+
+
+def test_gpt_pp2_short_fit(tmp_path):
+    result = _run(
+        [
+            "fit",
+            "--config", "configs/gpt_pp2.yaml",
+            "--trainer.max_steps", "4",
+            "--trainer.val_check_interval", "4",
+            "--trainer.limit_val_batches", "2",
+            "--trainer.log_every_n_steps", "1",
+            "--trainer.default_root_dir", str(tmp_path),
+            "--data.init_args.max_bytes", "400000",
+        ]
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "partition plan" in output and "Epoch 0" in output, "partition table and progress bar are shown"
+    metrics_files = list(tmp_path.rglob("metrics.csv"))
+    assert len(metrics_files) == 1
+    rows = list(csv.DictReader(metrics_files[0].open()))
+    train = [float(r["train_loss"]) for r in rows if r.get("train_loss")]
+    val = [float(r["val_loss"]) for r in rows if r.get("val_loss")]
+    assert len(train) == 4 and len(val) == 1
+    assert all(0.0 < loss < 6.0 for loss in train + val)
+    checkpoints = list(tmp_path.rglob("*.ckpt"))
+    assert checkpoints and (checkpoints[0] / "meta.pt").is_file()
