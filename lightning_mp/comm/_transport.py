@@ -2,11 +2,14 @@
 
 A message is any picklable object; every ``torch.Tensor`` inside it (at any depth: tuples, lists, dicts,
 dataclasses, NamedTuples, custom objects) travels as raw bytes over ``torch.distributed`` send/recv, the
-rest as a pickle. On the wire one message is three frames on one (src, dst) pair::
+rest as a pickle. On the wire one message is one to three frames on one (src, dst) pair::
 
-    header   int64[2]  = [pickle_nbytes, data_nbytes]
-    pickle   uint8[pickle_nbytes]   skeleton with tensor placeholders + per-tensor (shape, dtype, requires_grad)
+    header   uint8[4096]            int64 pickle_nbytes, int64 data_nbytes, then the pickle if it fits
+    pickle   uint8[pickle_nbytes]   only if the pickle does not fit in the header
     data     uint8[data_nbytes]     every tensor's bytes, 16-byte aligned, in placeholder order (omitted if 0)
+
+The pickle holds the skeleton with tensor placeholders and per-tensor (shape, dtype, requires_grad). Most
+messages (requests, replies, gradients) have a small pickle, so they take one frame plus one for the data.
 
 Frames of one message are sent under a per-destination lock, so threads may send concurrently. A tensor that
 appears twice in a message arrives as one tensor. Received tensors are leaves with the dtype, shape and
@@ -27,6 +30,8 @@ import torch.distributed as dist
 __all__ = ["Message", "Packed", "Transport", "pack"]
 
 _ALIGN = 16
+_HEADER_NBYTES = 4096
+_LENGTHS_NBYTES = 16
 
 
 @dataclass(frozen=True)
@@ -161,14 +166,21 @@ class Transport:
         Blocks until the backend has taken the frames (for gloo: written to the peer's connection).
         """
         packed = message if isinstance(message, Packed) else pack(message)
-        header = torch.tensor([len(packed.payload), packed.data_nbytes], dtype=torch.int64, device=self.device)
-        pickled = torch.frombuffer(bytearray(packed.payload), dtype=torch.uint8).to(self.device)
+        payload_nbytes = len(packed.payload)
+        header = bytearray(_HEADER_NBYTES)
+        header[:_LENGTHS_NBYTES] = torch.tensor([payload_nbytes, packed.data_nbytes], dtype=torch.int64).numpy().tobytes()
+        inline = payload_nbytes <= _HEADER_NBYTES - _LENGTHS_NBYTES
+        if inline:
+            header[_LENGTHS_NBYTES : _LENGTHS_NBYTES + payload_nbytes] = packed.payload
+        frames = [torch.frombuffer(header, dtype=torch.uint8)]
+        if not inline:
+            frames.append(torch.frombuffer(bytearray(packed.payload), dtype=torch.uint8))
         data = self._gather(packed)
+        if data is not None:
+            frames.append(data)
         with self._send_locks[dst]:
-            dist.send(header, group=self.group, group_dst=dst)
-            dist.send(pickled, group=self.group, group_dst=dst)
-            if data is not None:
-                dist.send(data, group=self.group, group_dst=dst)
+            for frame in frames:
+                dist.send(frame.to(self.device), group=self.group, group_dst=dst)
 
     def recv(self, src: int) -> Message:
         """Receive the next message from group rank ``src``.
@@ -176,16 +188,21 @@ class Transport:
         Raises:
             RuntimeError: what the backend raises when the peer is gone or nothing arrives within its timeout.
         """
-        header = torch.empty(2, dtype=torch.int64, device=self.device)
+        header = torch.empty(_HEADER_NBYTES, dtype=torch.uint8, device=self.device)
         dist.recv(header, group=self.group, group_src=src)
-        payload_nbytes, data_nbytes = (int(v) for v in header.tolist())
-        pickled = torch.empty(payload_nbytes, dtype=torch.uint8, device=self.device)
-        dist.recv(pickled, group=self.group, group_src=src)
+        header = header.cpu()
+        payload_nbytes, data_nbytes = (int(v) for v in header[:_LENGTHS_NBYTES].view(torch.int64).tolist())
+        if payload_nbytes <= _HEADER_NBYTES - _LENGTHS_NBYTES:
+            payload = header[_LENGTHS_NBYTES : _LENGTHS_NBYTES + payload_nbytes].numpy().tobytes()
+        else:
+            pickled = torch.empty(payload_nbytes, dtype=torch.uint8, device=self.device)
+            dist.recv(pickled, group=self.group, group_src=src)
+            payload = pickled.cpu().numpy().tobytes()
         data = None
         if data_nbytes:
             data = torch.empty(data_nbytes, dtype=torch.uint8, device=self.device)
             dist.recv(data, group=self.group, group_src=src)
-        return _unpack(pickled.cpu().numpy().tobytes(), data, self.device)
+        return _unpack(payload, data, self.device)
 
     def _gather(self, packed: Packed) -> torch.Tensor | None:
         """Copy every tensor's bytes into one aligned wire buffer."""
