@@ -1,0 +1,160 @@
+"""Step time of the example GPT: one process against lightning_mp's 2-stage pipeline, in one run.
+
+Measures forward+backward of one batch (no optimizer, no Lightning) so the table shows the engine itself:
+
+    python benchmarks/gpt_pipeline_step.py [--steps 20] [--microbatches 4] [--batch-size 32]
+
+Rows: one process with 1 and 2 intra-op threads (the peer: plain PyTorch), and the pipeline on 2 processes with
+1 thread each, for both schedules. "ideal" is the one-thread time / 2 stages x (M + 1) / M (a perfect 2-stage
+pipeline with its fill/drain bubble). Also printed: per-stage busy time (holding the compute token) and the
+number of remote calls per step. Runs on CPU with gloo; the model is configs/gpt_single.yaml's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from examples.gpt import GPT  # noqa: E402
+from lightning_mp.comm import Transport  # noqa: E402
+from lightning_mp.partition import plan, trace  # noqa: E402
+from lightning_mp.pipeline import PipelineEngine, split_microbatches  # noqa: E402
+from lightning_mp.pipeline import _scheduler  # noqa: E402
+
+
+def _model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128)
+
+
+def _batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    data = torch.randint(0, 256, (batch_size, 129), generator=torch.Generator().manual_seed(0))
+    return data[:, :-1], data[:, 1:]
+
+
+def _loss(model: GPT, batch) -> torch.Tensor:
+    x, y = batch
+    logits = model(x)  # (B, T, V)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def one_process(threads: int, steps: int, batch_size: int) -> list[float]:
+    torch.set_num_threads(threads)
+    model, batch = _model(), _batch(batch_size)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        _loss(model, batch).backward()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+class _BusyClock:
+    """Sum of the time this rank's compute token is held (patched around ComputeToken)."""
+
+    def __init__(self) -> None:
+        self.busy = 0.0
+        self._since: dict[int, float] = {}
+        acquire, release = _scheduler.ComputeToken.acquire, _scheduler.ComputeToken.release
+        clock = self
+
+        def timed_acquire(token, priority):
+            acquire(token, priority)
+            clock._since[id(token)] = time.perf_counter()
+
+        def timed_release(token):
+            released = release(token)
+            if released:
+                clock.busy += time.perf_counter() - clock._since.pop(id(token))
+            return released
+
+        _scheduler.ComputeToken.acquire, _scheduler.ComputeToken.release = timed_acquire, timed_release
+
+
+def _pipeline_rank(rank: int, init_file: str, out_dir: str, steps: int, microbatches: int, schedule: str, batch_size: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(minutes=5))
+    try:
+        model, batch = _model(), _batch(batch_size)
+        parts = split_microbatches(batch, microbatches)
+        stage_of = plan(trace(model, lambda: _loss(model, parts[0])), 2).stage_of
+        engine = PipelineEngine(Transport(dist.new_group([0, 1]), torch.device("cpu")), 2, schedule=schedule)
+        engine.install(model, stage_of)
+        calls = [0]
+        call_remote = engine.call_remote
+
+        def counted(*args, **kwargs):
+            calls[0] += 1
+            return call_remote(*args, **kwargs)
+
+        engine.call_remote = counted
+        clock = _BusyClock()
+        times, busy = [], []
+        for _ in range(steps):
+            start, busy_start = time.perf_counter(), clock.busy
+            with engine.session() as session:
+                if engine.is_driver:
+                    session.drive(lambda mb, i: _loss(model, mb), parts, loss_fn=lambda l: l / microbatches, backward=True)
+                    session.finish(None)
+                else:
+                    session.serve()
+            times.append(time.perf_counter() - start)
+            busy.append(clock.busy - busy_start)
+        torch.save({"times": times, "busy": busy, "calls": calls[0] / steps}, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def pipeline(steps: int, microbatches: int, schedule: str, batch_size: int) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(
+            _pipeline_rank,
+            args=(os.path.join(tmp, "rdv"), tmp, steps, microbatches, schedule, batch_size),
+            nprocs=2,
+            join=True,
+        )
+        return [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(2)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=32)
+    args = parser.parse_args()
+    warmup = max(2, args.steps // 5)
+
+    def median_ms(values: list[float]) -> float:
+        return 1000 * statistics.median(values[warmup:])
+
+    rows = []
+    single = {t: median_ms(one_process(t, args.steps, args.batch_size)) for t in (1, 2)}
+    rows += [(f"one process, {t} thread{'s' if t > 1 else ''}", single[t], "", "") for t in (1, 2)]
+    m = args.microbatches
+    ideal = single[1] / 2 * (m + 1) / m
+    rows.append((f"ideal 2-stage pipeline, M={m}", ideal, "", ""))
+    for schedule in ("interleaved", "simple"):
+        results = pipeline(args.steps, m, schedule, args.batch_size)
+        busy = " / ".join(f"{median_ms(r['busy']):.0f}" for r in results)
+        rows.append((f"lightning_mp pp=2 {schedule}, M={m}", median_ms(results[0]["times"]), busy, f"{results[0]['calls']:.0f}"))
+
+    print(f"\nGPT (4 x 128, batch {args.batch_size}, seq 128), forward+backward, median of {args.steps - warmup} steps")
+    print(f"{'setup':<36} {'ms/step':>8} {'vs 2-thread':>11} {'% of ideal':>10} {'busy ms s0/s1':>14} {'remote calls':>12}")
+    for name, ms, busy, calls in rows:
+        print(f"{name:<36} {ms:8.1f} {single[2] / ms:10.2f}x {100 * ideal / ms:9.0f}% {busy:>14} {calls:>12}")
+
+
+if __name__ == "__main__":
+    main()
