@@ -49,9 +49,22 @@ def test_split_then_merge_is_identity_for_tensors():
     assert torch.equal(merged[0], batch[0]) and torch.equal(merged[1]["y"], batch[1]["y"])
 
 
-def test_merge_averages_scalars():
-    merged = merge_microbatches([{"loss": torch.tensor(1.0), "n": 2}, {"loss": torch.tensor(3.0), "n": 4}])
-    assert merged["loss"].item() == pytest.approx(2.0) and merged["n"] == pytest.approx(3.0)
+def test_merge_averages_float_scalars_and_sums_counts():
+    merged = merge_microbatches(
+        [
+            {"loss": torch.tensor(1.0), "n": 2, "tokens": torch.tensor(3), "k": 7},
+            {"loss": torch.tensor(3.0), "n": 4, "tokens": torch.tensor(5), "k": 7},
+        ]
+    )
+    assert merged["loss"].item() == pytest.approx(2.0)
+    assert merged["n"] == 6 and merged["tokens"].item() == 8, "counts add up over microbatches"
+    assert merged["k"] == 7, "a constant stays a constant"
+
+
+def test_merge_none_outputs():
+    assert merge_microbatches([None, None]) is None
+    with pytest.raises(ValueError, match="Some microbatches returned None"):
+        merge_microbatches([torch.tensor(1.0), None])
 
 
 def test_indivisible_batch_is_a_clear_error():

@@ -136,7 +136,8 @@ def _unpack(payload: bytes, data: torch.Tensor | None, device: torch.device) -> 
             tensor = torch.empty(meta.shape, dtype=meta.dtype, device=device)
         else:
             assert data is not None
-            tensor = data[meta.offset : meta.offset + meta.nbytes].view(meta.dtype).view(meta.shape)
+            # A copy with its own storage: a view into the wire buffer could not be modified in place by autograd.
+            tensor = data[meta.offset : meta.offset + meta.nbytes].view(meta.dtype).view(meta.shape).clone()
         tensors.append(tensor)
     obj = _Unpickler(io.BytesIO(skeleton), tensors).load()
     return Message(obj, tensors, [meta.requires_grad for meta in metas])

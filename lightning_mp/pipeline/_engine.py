@@ -51,6 +51,7 @@ class PipelineError(RuntimeError):
 @dataclass(frozen=True)
 class _Envelope:
     kind: str  # "fwd" | "bwd" | "reply" | "error" | "end" | "close"
+    step: str  # which session of which hook, e.g. "training_step#12": stages must agree
     call_id: tuple[int, int] | None = None
     body: Any = None
     microbatch: int = 0
@@ -125,7 +126,7 @@ class _RemoteBackward:
 
     def run_backward(self, grad_outputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         task = _Task(self.microbatch, _BACKWARD)
-        envelope = _Envelope("bwd", self.call_id, (self.fqn, grad_outputs), self.microbatch)
+        envelope = self.session.envelope("bwd", self.call_id, (self.fqn, grad_outputs), self.microbatch)
         reply = self.session.exchange(self.stage, envelope, task, f"backward of {self.fqn!r}")
         return list(reply.obj.body)
 
@@ -167,6 +168,7 @@ class PipelineEngine:
         self._stage_of: dict[str, int] = {}
         self._session: PipelineSession | None = None
         self._call_ids = itertools.count()
+        self._sessions = itertools.count()
 
     @property
     def is_driver(self) -> bool:
@@ -178,26 +180,38 @@ class PipelineEngine:
     # ---- placement -------------------------------------------------------------------------------------------
 
     def install(self, model: nn.Module, stage_of: Mapping[str, int]) -> None:
-        """Keep this stage's modules, free every other module's own parameters and buffers, stub their forwards.
+        """Keep this stage's modules, free every other module's own parameters and buffers, stub their calls.
 
         Module FQNs, the tree and the local parameters stay where they were, so ``model.state_dict()`` on a
-        rank holds exactly its own parameters under their original names.
+        rank holds exactly its own parameters under their original names. A module with no parameters in its
+        whole subtree (activations, dropout, pooling, ...) is stateless: it stays on every rank and runs where it
+        is called, which never costs a transfer (its input is already there).
 
         Raises:
-            ValueError: if ``stage_of`` misses a module or names a stage out of range.
+            ValueError: if ``stage_of`` misses a module, names a stage out of range, or puts one module object
+                that has parameters on two stages (it is registered under two names).
         """
-        modules = dict(model.named_modules(remove_duplicate=False))
-        missing = sorted(set(modules) - set(stage_of))
+        modules = list(model.named_modules(remove_duplicate=False))
+        missing = sorted({fqn for fqn, _ in modules} - set(stage_of))
         if missing:
             raise ValueError(f"The partition plan has no stage for modules {missing[:5]}; re-plan the model.")
-        for fqn, module in modules.items():
+        stateful = {id(m) for _, m in modules if next(m.parameters(), None) is not None}
+        first_name: dict[int, str] = {}
+        for fqn, module in modules:
             stage = stage_of[fqn]
             if not 0 <= stage < self.num_stages:
                 raise ValueError(f"Module {fqn!r} is planned on stage {stage}, outside 0..{self.num_stages - 1}.")
+            other = first_name.setdefault(id(module), fqn)
+            if id(module) in stateful and stage_of[other] != stage:
+                raise ValueError(
+                    f"One module object is registered as {other!r} (stage {stage_of[other]}) and {fqn!r} (stage"
+                    f" {stage}); a module with parameters must live on one stage. Place both names on one stage."
+                )
             self._modules[fqn] = module
-            self._stage_of[fqn] = stage
-            if stage != self.stage:
-                _release_and_stub(module, fqn, stage, self)
+            self._stage_of[fqn] = stage if id(module) in stateful else self.stage
+        for fqn, module in modules:
+            if self._stage_of[fqn] != self.stage and first_name[id(module)] == fqn:
+                _release_and_stub(module, fqn, self._stage_of[fqn], self)
 
     def stage_of(self, fqn: str) -> int:
         return self._stage_of[fqn]
@@ -205,11 +219,17 @@ class PipelineEngine:
     # ---- sessions --------------------------------------------------------------------------------------------
 
     @contextmanager
-    def session(self) -> Iterator[PipelineSession]:
-        """One pipelined step on every stage of this replica. Every stage must enter it for the same step."""
+    def session(self, name: str = "step") -> Iterator[PipelineSession]:
+        """One pipelined step on every stage of this replica. Every stage must enter it for the same step.
+
+        Args:
+            name: what the step runs (e.g. the hook name); with a per-engine counter it tags every message, and a
+                stage that receives a message of another step raises :class:`PipelineError` instead of mixing
+                steps (e.g. one rank in ``validation_step`` while another is in ``training_step``).
+        """
         if self._session is not None:
             raise RuntimeError("A pipelined step is already running on this rank; steps cannot nest.")
-        session = PipelineSession(self)
+        session = PipelineSession(self, f"{name}#{next(self._sessions)}")
         self._session = session
         try:
             session.start()
@@ -232,7 +252,7 @@ class PipelineEngine:
             )
         grad_enabled = torch.is_grad_enabled()
         call_id = (self.stage, next(self._call_ids))
-        envelope = _Envelope("fwd", call_id, (fqn, args, kwargs, grad_enabled), task.microbatch)
+        envelope = session.envelope("fwd", call_id, (fqn, args, kwargs, grad_enabled), task.microbatch)
         packed = pack(envelope)
         grad_inputs = [t for t in packed.tensors if t.requires_grad] if grad_enabled else []
         reply = session.exchange(stage, packed, task, f"forward of {fqn!r}", call_id=call_id)
@@ -247,23 +267,38 @@ def _differentiable(tensor: torch.Tensor) -> bool:
     return tensor.is_floating_point() or tensor.is_complex()
 
 
+_REMOTE_CLASSES: dict[type, type] = {}
+
+
+def _remote_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    fqn, stage, engine = self._smp_remote
+    return engine.call_remote(fqn, stage, args, kwargs)
+
+
 def _release_and_stub(module: nn.Module, fqn: str, stage: int, engine: PipelineEngine) -> None:
+    """Free the module's own tensors and make calling it a request to ``stage``.
+
+    ``__call__`` itself is replaced (through a per-class subclass, as Python looks ``__call__`` up on the type),
+    so the module's hooks run once, on the owner, not also on the caller where its parameters are gone.
+    """
     for name in module._parameters:
         module._parameters[name] = None
     for name in module._buffers:
         module._buffers[name] = None
-
-    def remote_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return engine.call_remote(fqn, stage, args, kwargs)
-
-    module.forward = MethodType(remote_forward, module)
+    cls = type(module)
+    if cls not in _REMOTE_CLASSES:
+        _REMOTE_CLASSES[cls] = type(f"Remote{cls.__name__}", (cls,), {"__call__": _remote_call, "__module__": cls.__module__})
+    module.__class__ = _REMOTE_CLASSES[cls]
+    module._smp_remote = (fqn, stage, engine)
+    module.forward = MethodType(_remote_call, module)
 
 
 class PipelineSession:
     """One pipelined step on one rank: receiver threads, in-flight calls, served requests."""
 
-    def __init__(self, engine: PipelineEngine) -> None:
+    def __init__(self, engine: PipelineEngine, step: str) -> None:
         self.engine = engine
+        self.step = step
         self.transport = engine.transport
         self.peers = [s for s in range(engine.num_stages) if s != engine.stage]
         self.token = ComputeToken(self.raise_if_failed)
@@ -277,6 +312,10 @@ class PipelineSession:
         self._finished = False
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
+
+    def envelope(self, kind: str, call_id: tuple[int, int] | None = None, body: Any = None, microbatch: int = 0) -> _Envelope:
+        """A message of this step."""
+        return _Envelope(kind, self.step, call_id, body, microbatch)
 
     def start(self) -> None:
         for peer in self.peers:
@@ -301,14 +340,14 @@ class PipelineSession:
             self._finished = True
             text = f"{type(error).__name__}: {error}"
             for peer in self.peers:
-                self._send_quietly(_Envelope("end", body=("error", text)), peer)
+                self._send_quietly(self.envelope("end", body=("error", text)), peer)
 
     def close(self) -> None:
         """Finish the step: wait for local work, then exchange "close" with every peer."""
         for worker in self._workers:
             worker.join(self.engine.timeout_s if self._error is None else _POLL_S)
         for peer in self.peers:
-            self._send_quietly(_Envelope("close"), peer)
+            self._send_quietly(self.envelope("close"), peer)
         for receiver in self._receivers:
             receiver.join(self.engine.timeout_s if self._error is None else _POLL_S)
 
@@ -398,7 +437,7 @@ class PipelineSession:
         """Send ``summary`` (e.g. the step's mean loss and logged values) to every other stage."""
         self._finished = True
         for peer in self.peers:
-            self.transport.send(_Envelope("end", body=("ok", summary)), peer)
+            self.transport.send(self.envelope("end", body=("ok", summary)), peer)
 
     # ---- server ----------------------------------------------------------------------------------------------
 
@@ -422,6 +461,16 @@ class PipelineSession:
                 self.fail(PipelineError(f"Lost contact with {self.engine.describe_stage(peer)}: {err}"))
                 return
             envelope: _Envelope = message.obj
+            if envelope.step != self.step:
+                self.fail(
+                    PipelineError(
+                        f"Pipeline stages are out of step: this stage ({self.engine.describe_stage(self.engine.stage)})"
+                        f" runs {self.step!r} but {self.engine.describe_stage(peer)} sent a message of"
+                        f" {envelope.step!r}. Every stage of a pipeline must run the same steps in the same order"
+                        " (same number of batches, no rank-dependent skipping)."
+                    )
+                )
+                return
             if envelope.kind == "close":
                 return
             if envelope.kind in ("reply", "error"):
@@ -450,9 +499,7 @@ class PipelineSession:
         except BaseException as err:
             where = self.engine.describe_stage(self.engine.stage)
             text = f"{where} failed running {fqn!r} for microbatch {envelope.microbatch}:\n{traceback.format_exc()}"
-            reply = _Envelope("error", envelope.call_id, text)
-            if isinstance(err, PipelineError):
-                reply = _Envelope("error", envelope.call_id, str(err))
+            reply = self.envelope("error", envelope.call_id, str(err) if isinstance(err, PipelineError) else text)
         self._send_quietly(reply, peer)
 
     def _run_forward(self, envelope: _Envelope, message: Message) -> _Envelope:
@@ -467,7 +514,7 @@ class PipelineSession:
             raise PipelineError(f"Module {fqn!r} was requested from stage {self.engine.stage} but lives elsewhere.")
         with torch.set_grad_enabled(grad_enabled), self.engine.forward_context():
             output = module(*args, **kwargs)
-        reply = pack(_Envelope("reply", envelope.call_id, output))
+        reply = pack(self.envelope("reply", envelope.call_id, output))
         if grad_enabled:
             outputs = [t for t in reply.tensors if t.requires_grad and _differentiable(t)]
             if outputs:
@@ -482,7 +529,7 @@ class PipelineSession:
         pairs = [(out, grad) for out, grad in zip(saved.outputs, grad_outputs) if grad is not None]
         if pairs:
             torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
-        return _Envelope("reply", envelope.call_id, [leaf.grad for leaf in saved.leaves])
+        return self.envelope("reply", envelope.call_id, [leaf.grad for leaf in saved.leaves])
 
     # ---- caller side -----------------------------------------------------------------------------------------
 

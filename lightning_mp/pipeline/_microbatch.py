@@ -68,24 +68,35 @@ def _take(value: Any, index: int, parts: int, path: str) -> Any:
 def merge_microbatches(outputs: list[Any]) -> Any:
     """Merge per-microbatch outputs into one batch-shaped result (inverse of :func:`split_microbatches`).
 
-    Tensors with dims are concatenated along dim 0; 0-dim tensors and Python numbers are averaged (the mean
+    Tensors with dims are concatenated along dim 0; floating 0-dim tensors and floats are averaged (the mean
     over microbatches of a mean-reduced value equals the full-batch mean, as microbatches are equal-sized);
-    containers are merged element-wise; other values are taken from the first microbatch if all are equal,
-    else returned as a list.
+    integer 0-dim tensors and ints are summed (counts), unless all are equal (a constant); containers are merged
+    element-wise; other values are taken from the first microbatch if all are equal, else returned as a list.
 
     Raises:
-        ValueError: if ``outputs`` is empty or the microbatches returned structures of different kinds.
+        ValueError: if ``outputs`` is empty, some outputs are None and others not, or the microbatches returned
+            structures of different kinds.
     """
     if not outputs:
         raise ValueError("No microbatch outputs to merge.")
     first = outputs[0]
+    if any(o is None for o in outputs):
+        if all(o is None for o in outputs):
+            return None
+        raise ValueError(
+            "Some microbatches returned None and others a value; a pipelined step must return the same kind of"
+            " value for every microbatch (return None for all of them to skip the step)."
+        )
     if isinstance(first, torch.Tensor):
         if first.dim() == 0:
-            return torch.stack([o.detach() for o in outputs]).mean(dim=0) if first.is_floating_point() else first
+            stacked = torch.stack([o.detach() for o in outputs])
+            return stacked.mean(dim=0) if stacked.is_floating_point() else stacked.sum(dim=0)
         return torch.cat(outputs, dim=0)
-    if isinstance(first, bool) or first is None or isinstance(first, str):
+    if isinstance(first, (bool, str)):
         return first if all(o == first for o in outputs) else list(outputs)
-    if isinstance(first, (int, float)):
+    if isinstance(first, int):
+        return first if all(o == first for o in outputs) else sum(outputs)
+    if isinstance(first, float):
         return sum(outputs) / len(outputs)
     if dataclasses.is_dataclass(first) and not isinstance(first, type):
         return dataclasses.replace(

@@ -9,6 +9,7 @@ layout as Lightning's ``ModelParallelStrategy`` with ``save_distributed_checkpoi
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +49,12 @@ def optimizer_state_dict(model: nn.Module, optimizer: Optimizer) -> dict[str, An
 def save_checkpoint(checkpoint: dict[str, Any], path: Path, is_global_zero: bool) -> None:
     """Write ``checkpoint`` (Lightning's dict) as a DCP folder. Every rank must call this.
 
-    Raises:
-        IsADirectoryError: never; an existing file or folder at ``path`` is replaced.
+    An existing file or folder at ``path`` is replaced (shards of an earlier layout would otherwise stay).
     """
     if is_global_zero and path.is_file():
         path.unlink()
+    elif is_global_zero and path.is_dir():
+        shutil.rmtree(path)
     dist.barrier()
     path.mkdir(parents=True, exist_ok=True)
     tensors = {"state_dict": checkpoint.pop("state_dict")}

@@ -46,24 +46,39 @@ def make_plan(
         RuntimeError: if the model fails while being traced.
     """
     module = trainer.lightning_module
-    run = _trace_run(trainer, config, to_device)
     was_training = module.training
     module.eval()  # no dropout or batch-norm statistic updates from the trace
+    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
     try:
-        devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
-        with torch.random.fork_rng(devices=devices):
-            model_trace = trace(module, run)
+        with torch.random.fork_rng(devices=devices):  # the sample and the trace leave the RNG as it was
+            model_trace = trace(module, _trace_run(trainer, config, to_device))
     finally:
         module.train(was_training)
         _reset_metrics(module)
-    return plan(
+    stages = plan(
         model_trace,
         config.pipeline_parallel_degree,
         memory_weight=config.effective_memory_weight,
         manual=dict(config.partition),
         auto_partition=config.auto_partition,
         default_partition=config.default_partition,
-    ), model_trace
+    )
+    if trainer.state.fn == TrainerFn.FITTING:
+        _check_every_stage_has_parameters(stages, model_trace)
+    return stages, model_trace
+
+
+def _check_every_stage_has_parameters(stages: PartitionPlan, model_trace: ModelTrace) -> None:
+    counts = [0] * stages.num_stages
+    for fqn, stage in stages.stage_of.items():
+        counts[stage] += model_trace.modules[fqn].num_params
+    empty = [stage for stage, count in enumerate(counts) if count == 0]
+    if empty:
+        raise ValueError(
+            f"Pipeline stage(s) {empty} would hold no parameters (parameters per stage: {counts}), so their"
+            " optimizers would be empty. Use fewer stages, or place modules with parameters there with"
+            " `partition={fqn: stage}`."
+        )
 
 
 def broadcast_plan(result: tuple[PartitionPlan, Any] | BaseException | None, src: int = 0) -> PartitionPlan:
@@ -71,7 +86,8 @@ def broadcast_plan(result: tuple[PartitionPlan, Any] | BaseException | None, src
     payload = [None]
     if dist.get_rank() == src:
         if isinstance(result, BaseException):
-            payload = [("error", type(result).__name__, str(result))]
+            kind = "ValueError" if isinstance(result, ValueError) else type(result).__name__
+            payload = [("error", kind, f"{type(result).__name__}: {result}")]
         else:
             payload = [("ok", result[0].to_dict())]
     dist.broadcast_object_list(payload, src=src)

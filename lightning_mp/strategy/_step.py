@@ -4,7 +4,8 @@
 ``SMPStrategy.training_step`` (as DeepSpeed's pipeline engine does in Lightning). Lightning's closure then
 calls ``zero_grad`` and ``backward``: so that ``zero_grad`` cannot wipe the pipeline's gradients,
 :class:`GradientStash` moves them aside during the step and ``SMPStrategy.backward`` adds them back, exactly
-where an eager ``loss.backward()`` would have accumulated them. ``self.log`` calls made once per microbatch are
+where an eager ``loss.backward()`` would have accumulated them. The data-parallel all-reduce runs once per
+optimizer step (after the last accumulated batch), in ``SMPStrategy.optimizer_step``. ``self.log`` calls made once per microbatch are
 recorded by :class:`LogRecorder`, reduced over microbatches on the driver, sent to every stage with the step's
 summary, and replayed once per step on every rank, so logs, the progress bar and ``ModelCheckpoint(monitor=)``
 agree on all ranks as with DDP.
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
-__all__ = ["GradientStash", "LogRecorder", "StepSummary", "detach_cpu", "all_reduce_gradients"]
+__all__ = ["GradientStash", "LogRecorder", "StepSummary", "all_reduce_gradients", "detach_cpu", "replay_logs"]
 
 _REDUCERS = {"mean": torch.mean, "sum": torch.sum, "max": torch.max, "min": torch.min}
 
@@ -103,9 +104,15 @@ def _loggable_value(value: Any) -> Any:
     raise TypeError(f"self.log() got a value of type {type(value).__name__}; log a tensor or a number.")
 
 
-def replay_logs(module: Any, logs: list[tuple[str, Any, tuple, dict]]) -> None:
-    """Call ``module.log`` once per recorded name (on every rank, same order)."""
+def replay_logs(module: Any, logs: list[tuple[str, Any, tuple, dict]], dp_group: Any | None) -> None:
+    """Call ``module.log`` once per recorded name (on every rank, same order).
+
+    ``sync_dist=True`` reduces over the data-parallel group (``dp_group``), not the world: every stage of a
+    replica logs the same value, so a world-wide sum would count it once per stage.
+    """
     for name, value, args, kwargs in logs:
+        if kwargs.get("sync_dist") and kwargs.get("sync_dist_group") is None and dp_group is not None:
+            kwargs = {**kwargs, "sync_dist_group": dp_group}
         module.log(name, value, *args, **kwargs)
 
 
@@ -131,9 +138,6 @@ class GradientStash:
             p.grad = previous
         self._previous = {}
 
-    def pending(self) -> dict[nn.Parameter, torch.Tensor]:
-        return self._pipeline
-
     def apply(self) -> None:
         """Accumulate the step's gradients into ``.grad``, as ``loss.backward()`` would have."""
         for p, grad in self._pipeline.items():
@@ -141,10 +145,8 @@ class GradientStash:
         self._pipeline = {}
 
 
-def all_reduce_gradients(
-    params: list[nn.Parameter], grads: dict[nn.Parameter, torch.Tensor], group: dist.ProcessGroup, size: int
-) -> None:
-    """Average ``grads`` over the data-parallel ``group`` in place, in one flat bucket per dtype.
+def all_reduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup, size: int) -> None:
+    """Average ``p.grad`` over the data-parallel ``group`` in place, in one flat bucket per dtype.
 
     Every replica passes the same ``params`` (same stage, same plan). A parameter with no gradient on a replica
     counts as zeros there; it gets a gradient afterwards only if some replica had one, like DDP.
@@ -153,17 +155,15 @@ def all_reduce_gradients(
     for p in params:
         by_dtype.setdefault(p.dtype, []).append(p)
     for dtype, group_params in by_dtype.items():
-        flags = torch.tensor([1.0 if p in grads else 0.0 for p in group_params], dtype=dtype, device=group_params[0].device)
-        chunks = [grads[p].reshape(-1) if p in grads else torch.zeros(p.numel(), dtype=dtype, device=p.device) for p in group_params]
+        device = group_params[0].device
+        flags = torch.tensor([float(p.grad is not None) for p in group_params], dtype=dtype, device=device)
+        chunks = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=dtype, device=device) for p in group_params]
         bucket = torch.cat([*chunks, flags])
         dist.all_reduce(bucket, group=group)
         bucket /= size
         offset = 0
-        for p in group_params:
+        present = bucket[-len(group_params) :].tolist()
+        for p, flag in zip(group_params, present):
             reduced = bucket[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
-            grads[p] = reduced.clone()
-        present = bucket[offset:]
-        for p, flag in zip(group_params, present.tolist()):
-            if flag == 0.0:
-                grads.pop(p, None)
+            p.grad = reduced.clone() if flag > 0.0 else None

@@ -282,6 +282,18 @@ class SMPStrategy(ParallelStrategy):
 
     def _check_supported(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
+        pp = self.config.pipeline_parallel_degree
+        if pp > 1 and self.root_device.type != "cpu":
+            raise ValueError(
+                f"pipeline_parallel_degree={pp} on {self.root_device.type} is not supported yet: the pipeline engine"
+                " has only been built and tested on CPU with gloo. Use accelerator='cpu', or pipeline_parallel_degree=1"
+                " (data parallel) on GPUs."
+            )
+        if pp > 1 and self.config.microbatches < pp:
+            rank_zero_warn(
+                f"microbatches={self.config.microbatches} is fewer than pipeline_parallel_degree={pp}: stages mostly"
+                f" wait for each other. Use microbatches >= {pp} (e.g. {2 * pp}) for the pipeline to overlap work."
+            )
         if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
             raise ValueError(
                 "The 'smp' strategy runs backward inside the pipeline, so manual optimization"
@@ -305,11 +317,17 @@ class SMPStrategy(ParallelStrategy):
             if self.global_rank == 0:
                 try:
                     result = make_plan(trainer, self.config, self.batch_to_device)
-                except (ValueError, RuntimeError, MicrobatchSplitError) as err:
+                except Exception as err:  # every rank must learn of it, or the others wait in the broadcast
                     result = err
             self._plan = broadcast_plan(result)
             if self.global_rank == 0:
                 rank_zero_info("lightning_mp partition plan:\n" + self._plan.format_table(result[1]))
+            if module.example_input_array is not None:
+                rank_zero_warn(
+                    "`example_input_array` cannot run through the pipeline outside a step, so it is cleared after"
+                    " partitioning (Lightning's model summary then shows no in/out sizes)."
+                )
+                module.example_input_array = None
         assert self._engine is not None
         self._engine.install(module, self._plan.stage_of)
 
@@ -365,7 +383,7 @@ class SMPStrategy(ParallelStrategy):
             with context():
                 return step(microbatch, *rest, **kwargs)
 
-        with self._engine.session() as session:
+        with self._engine.session(hook) as session:
             if self._engine.is_driver:
                 with LogRecorder(module) as recorder:
                     outputs = session.drive(
@@ -378,7 +396,8 @@ class SMPStrategy(ParallelStrategy):
                 session.finish(summary)
             else:
                 summary = session.serve()
-        replay_logs(module, summary.logs)
+        dp_group = self.device_mesh.get_group(MeshAxis.DP.value) if self.topology.pipeline_parallel_degree > 1 else None
+        replay_logs(module, summary.logs, dp_group)
         return _to_device(summary.output, self.root_device)
 
     def _split(self, batch: Any, training: bool) -> list[Any]:
@@ -399,18 +418,28 @@ class SMPStrategy(ParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        """Finish a pipelined step's backward (it already ran): reduce over DP, put gradients into ``.grad``."""
+        """Finish a pipelined step's backward (it already ran in ``training_step``): put its gradients in ``.grad``."""
         module = self.lightning_module
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        if self.topology.data_parallel_degree > 1:
+        self._grads.apply()
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Step after the data-parallel gradient all-reduce (once per optimizer step, after accumulation)."""
+        if self.topology.data_parallel_degree == 1:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def closure_then_all_reduce() -> Any:
+            result = closure()
             all_reduce_gradients(
                 list(self.model.parameters()),
-                self._grads.pending(),
                 self.device_mesh.get_group(MeshAxis.DP.value),
                 self.topology.data_parallel_degree,
             )
-        self._grads.apply()
-        return self.precision_plugin.post_backward(closure_loss, module)
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_all_reduce, model, **kwargs)
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float | int) -> None:
         """``gradient_clip_algorithm="norm"`` over the whole model: the norm is reduced over pipeline stages."""
@@ -482,10 +511,9 @@ class SMPStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        assert self.cluster_environment is not None and self.accelerator is not None
+        assert self.cluster_environment is not None
         self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()
+        super().teardown()
 
     @classmethod
     @override
