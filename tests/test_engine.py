@@ -142,3 +142,208 @@ def test_error_on_a_stage_fails_every_rank_with_its_name():
     assert driver.startswith("PipelineError") and "pipeline stage 1 (global rank 1)" in driver
     assert "shape mismatch in user code" in driver and "'second'" in driver
     assert server.startswith("PipelineError") and "failed on pipeline stage 0" in server
+
+
+class _ThreeStage(torch.nn.Module):
+    """Stage 0 calls `outer` on stage 1, whose child `inner` lives on stage 2 and calls `leaf` back on stage 0.
+
+    One activation module object is shared by every part (stateless: it runs wherever it is called); the output
+    of a remote call is modified in place; `outer` has a forward hook that must run exactly once per call.
+    """
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        act = torch.nn.GELU()
+        self.first = torch.nn.Sequential(torch.nn.Linear(dim, dim), act)
+        self.outer = _Outer(dim, act)
+        self.head = torch.nn.Linear(dim, 1)
+        self.hook_calls = 0
+        self.outer.register_forward_hook(self._count)
+
+    def _count(self, module, args, output):
+        self.hook_calls += 1
+
+    def forward(self, x):
+        h = self.outer(self.first(x))
+        h.mul_(0.5)  # in place on a tensor that came from another stage
+        return self.head(h).squeeze(-1)
+
+    @staticmethod
+    def loss(model, batch):
+        x, y = batch
+        return torch.nn.functional.mse_loss(model(x), y)
+
+    @staticmethod
+    def batch(n: int = 8, dim: int = 8, seed: int = 3):
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(n, dim, generator=g), torch.randn(n, generator=g)
+
+
+class _Outer(torch.nn.Module):
+    def __init__(self, dim: int, act: torch.nn.Module) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(dim, dim)
+        self.inner = _Inner(dim, act)
+
+    def forward(self, h):
+        return self.inner(self.proj(h))
+
+
+class _Inner(torch.nn.Module):
+    def __init__(self, dim: int, act: torch.nn.Module) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(dim, dim)
+        self.act = act
+        self.leaf = torch.nn.Linear(dim, dim)
+
+    def forward(self, h):
+        return self.leaf(self.act(self.proj(h)))
+
+
+MODELS["three"] = _ThreeStage
+PLACEMENTS["three"] = {"outer": 1, "outer.inner": 2, "outer.inner.leaf": 0}
+
+
+def test_three_stages_nested_calls_shared_stateless_module_inplace_and_hooks():
+    results = run_distributed(_pipelined, 3, "three", "three", 4, "interleaved")
+    _assert_matches_reference(results, _reference("three"))
+    assert [len(r["params"]) for r in results] == [6, 2, 2], "first+head+leaf / outer.proj / inner.proj"
+
+
+def _hook_calls(rank: int, world_size: int) -> int:
+    torch.manual_seed(0)
+    model = _ThreeStage()
+    transport = Transport(dist.new_group(list(range(world_size))), torch.device("cpu"))
+    engine = PipelineEngine(transport, world_size, timeout_s=60)
+    engine.install(model, expand_placement(model, PLACEMENTS["three"]))
+    with engine.session() as session:
+        if engine.is_driver:
+            parts = split_microbatches(_ThreeStage.batch(), 4)
+            session.drive(lambda mb, i: _ThreeStage.loss(model, mb), parts, loss_fn=lambda l: l, backward=True)
+            session.finish(None)
+        else:
+            session.serve()
+    return model.hook_calls
+
+
+def test_hooks_of_a_remote_module_run_once_on_its_owner():
+    calls = run_distributed(_hook_calls, 3)
+    assert calls == [0, 4, 0], "outer's forward hook ran on stage 1 only, once per microbatch"
+
+
+def _schedule_order(rank: int, world_size: int, schedule: str, active: int) -> list:
+    from lightning_mp.pipeline import _scheduler
+
+    order = []
+    acquire = _scheduler.ComputeToken.acquire
+
+    def recording_acquire(token, priority):
+        acquire(token, priority)
+        order.append(tuple(priority))
+
+    _scheduler.ComputeToken.acquire = recording_acquire
+    torch.manual_seed(0)
+    model = MLPStack()
+    transport = Transport(dist.new_group([0, 1]), torch.device("cpu"))
+    engine = PipelineEngine(transport, 2, schedule=schedule, active_microbatches=active, timeout_s=60)
+    engine.install(model, expand_placement(model, PLACEMENTS["mlp"]))
+    in_flight, peak = [0], [0]
+
+    def step(mb, i):
+        in_flight[0] += 1
+        peak[0] = max(peak[0], in_flight[0])
+        return MLPStack.loss(model, mb)
+
+    def loss_fn(loss):
+        return loss
+
+    with engine.session() as session:
+        if engine.is_driver:
+            parts = split_microbatches(MLPStack.batch(n=16), 4)
+            outputs = session.drive(step, parts, loss_fn=loss_fn, backward=True)
+            session.finish(None)
+        else:
+            session.serve()
+    return {"order": order, "peak_started": peak[0]}
+
+
+def _first_backward_before_last_forward(order: list) -> bool:
+    forwards = [i for i, (phase, _) in enumerate(order) if phase == 1]
+    backwards = [i for i, (phase, _) in enumerate(order) if phase == 0]
+    return min(backwards) < max(forwards)
+
+
+def test_simple_runs_all_forwards_before_backwards_and_interleaved_does_not():
+    simple = run_distributed(_schedule_order, 2, "simple", 4)[0]["order"]
+    assert not _first_backward_before_last_forward(simple), simple
+    interleaved = run_distributed(_schedule_order, 2, "interleaved", 2)[0]["order"]
+    assert _first_backward_before_last_forward(interleaved), interleaved
+    # with active_microbatches=2, microbatch 2 starts only after microbatch 0 finished its backward
+    first_mb2 = interleaved.index((1, 2))
+    assert (0, 0) in interleaved[:first_mb2]
+
+
+def _out_of_step(rank: int, world_size: int) -> str:
+    transport = Transport(dist.new_group([0, 1]), torch.device("cpu"))
+    model = MLPStack()
+    engine = PipelineEngine(transport, 2, timeout_s=30)
+    engine.install(model, expand_placement(model, PLACEMENTS["mlp"]))
+    try:
+        with engine.session("validation_step" if rank == 0 else "training_step") as session:
+            if engine.is_driver:
+                session.drive(lambda mb, i: MLPStack.loss(model, mb), [MLPStack.batch()], loss_fn=lambda l: l, backward=False)
+                session.finish(None)
+            else:
+                session.serve()
+    except Exception as err:  # noqa: BLE001 - the test inspects the message
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def test_stages_in_different_steps_fail_clearly():
+    driver, server = run_distributed(_out_of_step, 2)
+    assert "out of step" in server and "'validation_step#0'" in server and "'training_step#0'" in server
+    assert driver.startswith("PipelineError")
+
+
+def _dying_stage(rank: int, world_size: int) -> dict:
+    import os
+    import time
+
+    torch.manual_seed(0)
+    model = MLPStack()
+    transport = Transport(dist.new_group([0, 1]), torch.device("cpu"))
+    engine = PipelineEngine(transport, 2, timeout_s=20)
+    engine.install(model, expand_placement(model, PLACEMENTS["mlp"]))
+    if rank == 1:
+        model.head.register_forward_pre_hook(lambda *_: os._exit(0))  # the process vanishes mid-step
+    start = time.monotonic()
+    try:
+        with engine.session() as session:
+            if engine.is_driver:
+                session.drive(lambda mb, i: MLPStack.loss(model, mb), [MLPStack.batch()], loss_fn=lambda l: l, backward=True)
+                session.finish(None)
+            else:
+                session.serve()
+    except Exception as err:  # noqa: BLE001 - the test inspects the message
+        return {"error": f"{type(err).__name__}: {err}", "seconds": time.monotonic() - start}
+    return {"error": "no error", "seconds": time.monotonic() - start}
+
+
+def test_a_rank_that_dies_fails_the_others_with_its_name():
+    import os
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from tests._dist import _worker
+
+    with tempfile.TemporaryDirectory() as tmp:
+        context = mp.start_processes(
+            _worker, args=(2, os.path.join(tmp, "rdv"), tmp, _dying_stage, ()), nprocs=2, join=False, start_method="spawn"
+        )
+        while not context.join(timeout=60):
+            pass
+        result = torch.load(os.path.join(tmp, "0.pt"), weights_only=False)
+    assert result["error"].startswith("PipelineError") and "pipeline stage 1 (global rank 1)" in result["error"]
+    assert result["seconds"] < 20, "detected through the lost connection, before the timeout"

@@ -29,7 +29,28 @@ class Wrapped(L.LightningModule):
     def training_step(self, batch, batch_idx):
         loss = MODELS[self.model_name].loss(self.net, batch)
         self.log("train_loss", loss)
+        # once per step, summed over microbatches and over data-parallel replicas (never over stages)
+        self.log("samples", float(batch[0].shape[0]), reduce_fx="sum", on_step=False, on_epoch=True, sync_dist=True)
+        self.log_dict({"double_loss": 2 * loss}, on_step=False, on_epoch=True)
         return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", MODELS[self.model_name].loss(self.net, batch), sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", MODELS[self.model_name].loss(self.net, batch))
+
+    def predict_step(self, batch, batch_idx):
+        return self.net(batch[0])
+
+    def val_dataloader(self) -> DataLoader:
+        return self.train_dataloader()
+
+    def test_dataloader(self) -> DataLoader:
+        return self.train_dataloader()
+
+    def predict_dataloader(self) -> DataLoader:
+        return self.train_dataloader()
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
@@ -58,8 +79,9 @@ class Record(L.Callback):
 
     def on_train_end(self, trainer, pl_module):
         params = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
         torch.save(
-            {"losses": self.losses, "logged": self.logged, "params": params},
+            {"losses": self.losses, "logged": self.logged, "params": params, "metrics": metrics},
             os.path.join(self.out_dir, f"{trainer.global_rank}.pt"),
         )
 
@@ -76,6 +98,7 @@ def _fit(model_name: str, out_dir: str, strategy=None, devices: int = 1, **train
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        num_sanity_val_steps=0,
         callbacks=[Record(out_dir)],
         use_distributed_sampler=False,
         **trainer_kwargs,
@@ -124,6 +147,10 @@ def test_fit_matches_one_process(tmp_path, model_name, pp, dp, microbatches, sch
         for key in ("losses", "logged"):
             assert all(result[key] == replica[0][key] for result in replica), "stages of a replica agree"
     replica0 = replicas[0]
+    for result in results:  # val_loss (sync_dist), samples (sum), double_loss (log_dict): as on one device
+        assert sorted(result["metrics"]) == sorted(reference["metrics"])
+        for key in ("val_loss", "samples"):
+            torch.testing.assert_close(result["metrics"][key], reference["metrics"][key], rtol=1e-5, atol=1e-6, msg=key)
     owned = sorted(name for result in replica0 for name in result["params"])
     assert owned == sorted(reference["params"]), "each parameter lives on exactly one stage of a replica"
     for result in results:
@@ -177,3 +204,83 @@ def test_checkpoint_resume_matches_one_process(tmp_path, resume_pp):
     assert sorted(got) == sorted(reference["params"])
     for name, value in got.items():
         torch.testing.assert_close(value, reference["params"][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+class SavePredictions(L.Callback):
+    """Spawned processes cannot return predictions; each rank writes what ``predict_step`` returned to it."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self.outputs: list[torch.Tensor] = []
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.outputs.append(outputs)
+
+    def on_predict_end(self, trainer, pl_module):
+        torch.save(torch.cat(self.outputs), os.path.join(self.out_dir, f"pred{trainer.global_rank}.pt"))
+
+
+def test_validate_test_predict_match_one_process(tmp_path):
+    torch.manual_seed(0)
+    reference_model = Wrapped("branchy")
+    plain = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, use_distributed_sampler=False)
+    expected_val = plain.validate(reference_model)[0]
+    expected_test = plain.test(reference_model)[0]
+    expected_pred = torch.cat(plain.predict(reference_model))
+
+    def trainer():
+        strategy = lightning_mp.SMPStrategy(pipeline_parallel_degree=2, microbatches=4, start_method="spawn")
+        return L.Trainer(
+            accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_progress_bar=False,
+            use_distributed_sampler=False, callbacks=[SavePredictions(str(tmp_path))],
+        )
+
+    torch.manual_seed(0)
+    model = Wrapped("branchy")
+    got_val = trainer().validate(model)[0]
+    got_test = trainer().test(model)[0]
+    trainer().predict(model, return_predictions=False)
+    got_preds = [torch.load(tmp_path / f"pred{rank}.pt") for rank in range(2)]
+    torch.testing.assert_close(got_val["val_loss"], expected_val["val_loss"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_test["test_loss"], expected_test["test_loss"], rtol=1e-5, atol=1e-6)
+    for got_pred in got_preds:  # every stage returns the merged predictions of the driver
+        torch.testing.assert_close(got_pred, expected_pred, rtol=1e-5, atol=1e-6)
+
+
+class ManualOptimization(Wrapped):
+    def __init__(self) -> None:
+        super().__init__("mlp")
+        self.automatic_optimization = False
+
+
+def test_manual_optimization_is_a_clear_error():
+    strategy = lightning_mp.SMPStrategy(start_method="spawn")
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False)
+    with pytest.raises(Exception, match="manual optimization"):
+        trainer.fit(ManualOptimization())
+
+
+def test_indivisible_training_batch_fails_at_setup_on_every_rank():
+    strategy = lightning_mp.SMPStrategy(pipeline_parallel_degree=2, microbatches=3, start_method="spawn")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False, use_distributed_sampler=False
+    )
+    with pytest.raises(Exception, match=r"Partitioning failed on rank 0: MicrobatchSplitError.*into 3 microbatches"):
+        trainer.fit(Wrapped("mlp"))
+
+
+def test_bf16_mixed_matches_one_process(tmp_path):
+    """Autocast wraps the driver's step and every served forward, as on one device (bf16 tolerances)."""
+    for name in ("ref32", "ref", "smp"):
+        os.makedirs(tmp_path / name)
+    fp32 = _fit("mlp", str(tmp_path / "ref32"))[0]
+    reference = _fit("mlp", str(tmp_path / "ref"), precision="bf16-mixed")[0]
+    strategy = lightning_mp.SMPStrategy(pipeline_parallel_degree=2, microbatches=2, start_method="spawn")
+    results = _fit("mlp", str(tmp_path / "smp"), strategy, devices=2, precision="bf16-mixed")
+    # The first loss (before any update) is computed by both stages: it must be the bf16 value, not the fp32 one.
+    assert abs(reference["losses"][0] - fp32["losses"][0]) > 1e-5, "bf16 changes the loss of this model"
+    torch.testing.assert_close(results[0]["losses"][0], reference["losses"][0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(results[0]["losses"], reference["losses"], rtol=2e-2, atol=1e-2)
+    for result in results:
+        for name, value in result["params"].items():
+            torch.testing.assert_close(value, reference["params"][name], rtol=2e-2, atol=1e-2, msg=name)
