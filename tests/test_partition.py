@@ -24,12 +24,18 @@ def _trace_forward(model: nn.Module, x: torch.Tensor) -> ModelTrace:
     return trace(model, lambda: model(x))
 
 
+def _memory(tr: ModelTrace, fqn: str, optimizer_state_factor: float = 3.0) -> float:
+    """Parameter bytes x optimizer-state factor + output bytes for a leaf (SMP's memory cost)."""
+    record = tr.modules[fqn]
+    return record.param_bytes * optimizer_state_factor + (0 if record.children else record.activation_bytes)
+
+
 def _layer_costs(tr: ModelTrace, fqns: list[str], memory_weight: float) -> list[float]:
     """Costs as the planner defines them, for whole-subtree nodes of leaf modules."""
-    total_bytes = sum(r.param_bytes for r in tr.modules.values())
+    total_memory = sum(_memory(tr, f) for f in tr.modules)
     return [
         (1 - memory_weight) * tr.modules[f].flops / tr.total_flops
-        + memory_weight * tr.modules[f].param_bytes / total_bytes
+        + memory_weight * _memory(tr, f) / total_memory
         for f in fqns
     ]
 
@@ -537,3 +543,48 @@ def test_format_table_mentions_every_stage_and_abbreviates() -> None:
     total_params = sum(r.num_params for r in tr.modules.values())
     shown = sum(int(line.split("|")[2].strip().replace(",", "")) for line in lines[2:])
     assert shown == total_params
+
+
+# ----------------------------------------------------------------------------- trace: memory and time
+
+
+def test_activation_bytes_are_the_outputs_of_each_call() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    tr = _trace_forward(model, torch.randn(BATCH, 8))
+    assert tr.modules["0"].activation_bytes == BATCH * 16 * 4
+    assert tr.modules["2"].activation_bytes == BATCH * 4 * 4
+    assert tr.modules[""].activation_bytes == BATCH * 4 * 4
+
+
+def test_measured_times_are_inclusive_and_make_the_trace_timed() -> None:
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    tr = trace(model, lambda: model(torch.randn(BATCH, 64)), measure_time=True)
+    assert tr.timed and tr.total_time_s > 0
+    children = tr.modules["0"].time_s + tr.modules["1"].time_s
+    assert 0 < children <= tr.modules[""].time_s <= tr.total_time_s
+    assert not _trace_forward(model, torch.randn(BATCH, 64)).timed
+
+
+def test_meta_device_trace_allocates_no_parameter_storage() -> None:
+    import resource
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(16384, 16384), nn.Linear(16384, 16384))  # 2 GiB of fp32 weights
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    tr = trace(model, lambda: model(torch.zeros(BATCH, 16384, device="meta")))
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert all(p.is_meta for p in model.parameters())
+    assert grown_mib < 256, f"tracing on meta grew the process by {grown_mib:.0f} MiB"
+    assert tr.modules["0"].flops == 2 * BATCH * 16384 * 16384
+    assert tr.modules["1"].param_bytes == (16384 * 16384 + 16384) * 4
+
+
+def test_stage_costs_of_any_assignment_match_the_plan() -> None:
+    from lightning_mp.partition import stage_costs
+
+    model = nn.Sequential(*[nn.Linear(8 * (i + 1), 8 * (i + 2)) for i in range(4)])
+    tr = _trace_forward(model, torch.randn(BATCH, 8))
+    p = plan(tr, 2)
+    assert stage_costs(tr, p.stage_of, 2) == pytest.approx(p.stage_costs)
+    everything_on_0 = {fqn: 0 for fqn in tr.modules}
+    assert stage_costs(tr, everything_on_0, 2) == pytest.approx((1.0, 0.0))

@@ -5,7 +5,7 @@ parameters; ``plan(trace, num_stages, ...)`` turns that into a :class:`Partition
 planning: nothing is moved or built here. Imports torch only.
 """
 
-from lightning_mp.partition._plan import PartitionPlan, plan
+from lightning_mp.partition._plan import PartitionPlan, plan, stage_costs
 from lightning_mp.partition._trace import ModelTrace, ModuleRecord, trace
 
-__all__ = ["ModelTrace", "ModuleRecord", "PartitionPlan", "plan", "trace"]
+__all__ = ["ModelTrace", "ModuleRecord", "PartitionPlan", "plan", "stage_costs", "trace"]

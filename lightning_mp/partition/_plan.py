@@ -33,7 +33,7 @@ from typing import Any
 
 from lightning_mp.partition._trace import ModelTrace
 
-__all__ = ["PartitionPlan", "plan"]
+__all__ = ["PartitionPlan", "plan", "stage_costs"]
 
 # Costs are normalised (they sum to about 1); differences below this are float noise.
 _TOL = 1e-12
@@ -163,6 +163,7 @@ def plan(
     manual: Mapping[str, int] | None = None,
     auto_partition: bool = True,
     default_partition: int = 0,
+    optimizer_state_factor: float = 3.0,
 ) -> PartitionPlan:
     """Places every module of a traced model on one of ``num_stages`` pipeline stages.
 
@@ -171,8 +172,12 @@ def plan(
     Args:
         trace: the output of :func:`lightning_mp.partition.trace`.
         num_stages: number of pipeline stages (``pipeline_parallel_degree``), at least 1.
-        memory_weight: weight in ``[0, 1]`` of parameter bytes in a node's cost; compute (FLOPs)
-            gets ``1 - memory_weight``. Both are shares of the model's totals.
+        memory_weight: weight in ``[0, 1]`` of memory in a node's cost; compute (FLOPs, or measured
+            time if the trace has it) gets ``1 - memory_weight``. Both are shares of the model's totals.
+            Memory = parameter bytes x ``optimizer_state_factor`` + output bytes of leaf modules (the
+            activations kept for backward), as SMP's cost model (paper section 3.1).
+        optimizer_state_factor: training bytes per parameter byte: weights, gradients and optimizer
+            states (SMP uses 3; Adam in fp32 needs 4).
         manual: optional ``{module_fqn: stage}`` placements applied after the automatic plan; the
             innermost entry wins for its subtree. The root ``""`` may only be placed on stage 0.
         auto_partition: if False, skip the automatic plan: modules not under a ``manual`` entry go
@@ -194,7 +199,7 @@ def plan(
     _check_stage(default_partition, num_stages, f"default_partition={default_partition!r}")
     if manual:
         _check_manual(trace, manual, num_stages)
-    costs = _CostModel(trace, memory_weight)
+    costs = _CostModel(trace, memory_weight, optimizer_state_factor)
     if auto_partition:
         stage_of = _auto_stages(costs, num_stages)
     else:
@@ -215,9 +220,10 @@ _Item = tuple[str, bool]  # (module FQN, is_residual); a subtree node when is_re
 class _CostModel:
     """Per-subtree FLOPs, bytes, call order and shared-group membership of a trace."""
 
-    def __init__(self, trace: ModelTrace, memory_weight: float) -> None:
+    def __init__(self, trace: ModelTrace, memory_weight: float, optimizer_state_factor: float = 3.0) -> None:
         self.trace = trace
         self.memory_weight = memory_weight
+        self.optimizer_state_factor = optimizer_state_factor
         records = trace.modules
         self.subtree: dict[str, list[str]] = {}
         self.first_call: dict[str, int | None] = {}  # min over the subtree
@@ -225,7 +231,8 @@ class _CostModel:
         self.bytes: dict[str, int] = {}  # of the subtree
         for fqn in reversed(records):  # children before parents
             self._summarise(fqn)
-        self.flops[_ROOT] = max(float(trace.total_flops), self.flops[_ROOT])
+        total = trace.total_time_s if trace.timed else trace.total_flops
+        self.flops[_ROOT] = max(float(total), self.flops[_ROOT])
         self.first_call[_ROOT] = -1  # the root runs the step: treat it as called first
         self.total_flops = self.flops[_ROOT]
         self.total_bytes = self.bytes[_ROOT]
@@ -242,8 +249,16 @@ class _CostModel:
             calls.append(record.first_call)
         self.first_call[fqn] = min(calls) if calls else None
         children_flops = sum(self.flops[c] for c in children)
-        self.flops[fqn] = float(record.flops) if record.num_calls > 0 else children_flops
-        self.bytes[fqn] = record.param_bytes + sum(self.bytes[c] for c in children)
+        compute = record.time_s if self.trace.timed else record.flops
+        self.flops[fqn] = float(compute) if record.num_calls > 0 else children_flops
+        self.bytes[fqn] = self.own_memory(fqn) + sum(self.bytes[c] for c in children)
+
+    def own_memory(self, fqn: str) -> float:
+        """Bytes a module itself needs in training: its parameters x the optimizer-state factor (weights,
+        gradients, optimizer states), plus, for a leaf, the outputs it leaves alive for backward."""
+        record = self.trace.modules[fqn]
+        activations = record.activation_bytes if not record.children else 0
+        return record.param_bytes * self.optimizer_state_factor + activations
 
     def cost(self, flops: float, num_bytes: float) -> float:
         flops_share = flops / self.total_flops if self.total_flops > 0 else 0.0
@@ -256,7 +271,7 @@ class _CostModel:
 
     def own_cost(self, fqn: str) -> float:
         """Cost of one module alone: self FLOPs and own bytes."""
-        return self.cost(self.self_flops(fqn), self.trace.modules[fqn].param_bytes)
+        return self.cost(self.self_flops(fqn), self.own_memory(fqn))
 
     def called_children(self, fqn: str) -> list[str]:
         """Children with a call in their subtree, by first call (definition order on ties)."""
@@ -284,7 +299,7 @@ class _CostModel:
         if is_residual:
             uncalled = [c for c in self.trace.modules[fqn].children if self.first_call[c] is None]
             members = [fqn] + [m for child in uncalled for m in self.subtree[child]]
-            num_bytes = self.trace.modules[fqn].param_bytes + sum(self.bytes[c] for c in uncalled)
+            num_bytes = self.own_memory(fqn) + sum(self.bytes[c] for c in uncalled)
             cost = self.cost(self.self_flops(fqn), num_bytes)
         else:
             members = self.subtree[fqn]
@@ -611,6 +626,22 @@ def _check_no_empty_stage(stage_of: Mapping[str, int], num_stages: int) -> None:
                 f"num_stages={num_stages}; place a module on stage {stage} in the manual map, "
                 "enable auto_partition, or use fewer pipeline stages"
             )
+
+
+def stage_costs(
+    trace: ModelTrace,
+    stage_of: Mapping[str, int],
+    num_stages: int,
+    *,
+    memory_weight: float = 0.2,
+    optimizer_state_factor: float = 3.0,
+) -> tuple[float, ...]:
+    """Normalised cost of each stage for *any* assignment of modules to stages (plans, baselines, hand splits).
+
+    Uses the same cost model as :func:`plan`; each module contributes its own cost (self compute, own memory)
+    to its stage. The costs sum to 1 (all zeros for a model without compute and memory).
+    """
+    return _stage_costs(_CostModel(trace, memory_weight, optimizer_state_factor), stage_of, num_stages)
 
 
 def _stage_costs(costs: _CostModel, stage_of: Mapping[str, int], num_stages: int) -> tuple:

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import time
+
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
@@ -37,6 +39,10 @@ class ModuleRecord:
             :class:`torch.utils.flop_counter.FlopCounterMode`.
         num_params: elements of the module's own direct parameters (not buffers), counted at the
             first owner only, like ``param_bytes``.
+        activation_bytes: bytes of the tensors the module returned, summed over its calls (what a
+            leaf module leaves alive for backward).
+        time_s: inclusive wall time of all its calls in seconds, measured in a second, untraced run;
+            ``None`` unless :func:`trace` was asked to ``measure_time``.
     """
 
     fqn: str
@@ -47,6 +53,8 @@ class ModuleRecord:
     param_bytes: int
     flops: float
     num_params: int = 0
+    activation_bytes: int = 0
+    time_s: float | None = None
 
 
 @dataclass
@@ -66,10 +74,20 @@ class ModelTrace:
     modules: dict[str, ModuleRecord]
     shared_groups: list[list[str]] = field(default_factory=list)
     total_flops: float = 0.0
+    total_time_s: float | None = None
+
+    @property
+    def timed(self) -> bool:
+        """Whether per-module execution times were measured (``trace(..., measure_time=True)``)."""
+        return self.total_time_s is not None
 
 
-def trace(model: nn.Module, run: Callable[[], Any]) -> ModelTrace:
+def trace(model: nn.Module, run: Callable[[], Any], *, measure_time: bool = False) -> ModelTrace:
     """Runs ``run()`` once and records the module tree, call order, FLOPs and bytes of ``model``.
+
+    With ``measure_time`` (SMP's ``trace_execution_times``), ``run()`` runs twice more without the FLOP
+    counter (a warm-up, then a timed run) and each module's inclusive wall time is recorded; the planner
+    then balances measured time instead of FLOPs. Not possible on the ``meta`` device.
 
     Forward pre/post hooks are registered on every module of ``model`` for the duration of the
     run and removed afterwards, also when the run fails. ``run()`` is called under
@@ -98,11 +116,51 @@ def trace(model: nn.Module, run: Callable[[], Any]) -> ModelTrace:
     finally:
         for handle in handles:
             handle.remove()
+    total_time_s = _measure_times(model, run, records) if measure_time else None
     return ModelTrace(
         modules=records,
         shared_groups=_shared_groups(model),
         total_flops=total_flops,
+        total_time_s=total_time_s,
     )
+
+
+def _measure_times(model: nn.Module, run: Callable[[], Any], records: dict[str, ModuleRecord]) -> float:
+    """Inclusive wall time per module from one timed run after a warm-up (both without the FLOP counter)."""
+    with torch.no_grad():
+        _run_user_code(run)  # warm-up: allocator, kernels, lazy initialisation
+    started: dict[str, list[float]] = {fqn: [] for fqn in records}
+    for record in records.values():
+        record.time_s = 0.0
+    handles = []
+    try:
+        for fqn, module in model.named_modules():
+            handles.append(module.register_forward_pre_hook(lambda m, a, fqn=fqn: started[fqn].append(time.perf_counter())))
+            handles.append(module.register_forward_hook(lambda m, a, o, fqn=fqn: _add_time(records[fqn], started[fqn])))
+        begin = time.perf_counter()
+        with torch.no_grad():
+            _run_user_code(run)
+        return time.perf_counter() - begin
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _add_time(record: ModuleRecord, starts: list[float]) -> None:
+    record.time_s = (record.time_s or 0.0) + time.perf_counter() - starts.pop()
+
+
+def _output_bytes(output: Any) -> int:
+    """Bytes of every tensor in a module's output (nested tuples, lists, dicts, dataclass-like objects)."""
+    if isinstance(output, torch.Tensor):
+        return output.numel() * output.element_size()
+    if isinstance(output, (list, tuple)):
+        return sum(_output_bytes(item) for item in output)
+    if isinstance(output, dict):
+        return sum(_output_bytes(item) for item in output.values())
+    if hasattr(output, "__dict__") and not isinstance(output, nn.Module):
+        return sum(_output_bytes(item) for item in vars(output).values())
+    return 0
 
 
 def _run_user_code(run: Callable[[], Any]) -> None:
@@ -175,8 +233,10 @@ class _CallRecorder:
         record.num_calls += 1
         self._flops_at_entry.append(self._total())
 
-    def exit(self, fqn: str) -> None:
-        self.records[fqn].flops += float(self._total() - self._flops_at_entry.pop())
+    def exit(self, fqn: str, output: Any) -> None:
+        record = self.records[fqn]
+        record.flops += float(self._total() - self._flops_at_entry.pop())
+        record.activation_bytes += _output_bytes(output)
 
 
 def _register_hooks(model: nn.Module, recorder: _CallRecorder) -> list[Any]:
@@ -202,7 +262,7 @@ def _pre_hook(recorder: _CallRecorder, fqn: str) -> Callable[..., None]:
 
 def _post_hook(recorder: _CallRecorder, fqn: str) -> Callable[..., None]:
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        recorder.exit(fqn)
+        recorder.exit(fqn, output)
 
     return hook
 
