@@ -3,15 +3,20 @@
 Importing the package registers the strategy name ``"smp"`` with Lightning's ``StrategyRegistry`` (Lightning
 never discovers third-party strategies by itself), so ``Trainer(strategy="smp")`` and ``--trainer.strategy smp``
 work after ``import lightning_mp``.
+
+``lightning_mp.partition`` is both the partitioning package and SMP's placement context manager:
+``with lightning_mp.partition(1): self.decoder = Decoder()`` puts the decoder on pipeline stage 1.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_mp import callbacks, partition
+from lightning_mp.callbacks import PartitionSummary
 from lightning_mp.config import SMPConfig
 from lightning_mp.strategy import SMPStrategy
 from lightning_mp.topology import MeshAxis, Topology
 
-__all__ = ["MeshAxis", "SMPConfig", "SMPStrategy", "Topology"]
+__all__ = ["MeshAxis", "PartitionSummary", "SMPConfig", "SMPStrategy", "Topology", "callbacks", "partition"]
 __version__ = "0.1.0"
 
 if "smp" not in StrategyRegistry:

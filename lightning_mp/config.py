@@ -60,6 +60,14 @@ class SMPConfig:
     memory_weight: float | None = None
     """Weight in [0, 1] of memory balance against compute balance in the partition cost. ``None``: from ``optimize``."""
 
+    trace_execution_times: bool = False
+    """Balance measured per-module times instead of FLOPs (SMP's ``trace_execution_times``). Runs the traced step
+    twice more on global rank 0 at setup."""
+
+    partition_plan: str | None = None
+    """Reuse a plan instead of tracing: a JSON file written by ``PartitionSummary`` (``PartitionPlan.to_dict()``)
+    or a lightning_mp checkpoint folder (plans are saved with checkpoints), so a resumed run is placed identically."""
+
     process_group_backend: str | None = None
     """``torch.distributed`` backend. ``None``: ``"gloo"`` on CPU, ``"nccl"`` on CUDA."""
 
@@ -90,11 +98,6 @@ class SMPConfig:
                     f"Stage {stage!r} for {name!r} is out of range: stages are 0..{self.pipeline_parallel_degree - 1}"
                     f" for `pipeline_parallel_degree={self.pipeline_parallel_degree}`."
                 )
-        if not self.auto_partition and self.pipeline_parallel_degree > 1 and not self.partition:
-            raise ValueError(
-                "`auto_partition=False` needs a manual placement: pass `partition={module_fqn: stage, ...}`"
-                " covering every stage, or set `auto_partition=True`."
-            )
         if self.timeout.total_seconds() <= 0:
             raise ValueError(f"`timeout` must be positive, got {self.timeout}.")
 

@@ -109,3 +109,22 @@ def expand_placement(model: nn.Module, placement: dict[str, int]) -> dict[str, i
                 stage = placement[prefix]
         stage_of[fqn] = stage
     return stage_of
+
+
+class PlacedMLP(MLPStack):
+    """MLPStack whose layer 1 is built inside ``with lightning_mp.partition(1)`` and head inside ``partition(0)``."""
+
+    def __init__(self, dim: int = 16, depth: int = 6) -> None:
+        import lightning_mp
+
+        nn.Module.__init__(self)
+        layers = []
+        for index in range(depth):
+            if index == 1:
+                with lightning_mp.partition(1):
+                    layers.append(nn.Sequential(nn.Linear(dim, dim), nn.Tanh()))
+            else:
+                layers.append(nn.Sequential(nn.Linear(dim, dim), nn.Tanh()))
+        self.layers = nn.Sequential(*layers)
+        with lightning_mp.partition(0):
+            self.head = nn.Linear(dim, 1)

@@ -68,5 +68,6 @@ def test_gpt_pp2_short_fit(tmp_path):
     val = [float(r["val_loss"]) for r in rows if r.get("val_loss")]
     assert len(train) == 4 and len(val) == 1
     assert all(0.0 < loss < 6.0 for loss in train + val)
+    assert len(list(tmp_path.rglob("partition.png"))) == 1, "the config's PartitionSummary drew the chart"
     checkpoints = list(tmp_path.rglob("*.ckpt"))
     assert checkpoints and (checkpoints[0] / "meta.pt").is_file()

@@ -12,7 +12,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_mp.partition import ModelTrace, PartitionPlan, plan, trace
+from lightning_mp.partition import ModelTrace, PartitionPlan, plan, stage_costs, trace
+from lightning_mp.partition._plan import _COLLAPSE_SLACK
 
 BATCH = 4
 
@@ -262,6 +263,38 @@ def test_expansion_reaches_into_nested_containers() -> None:
     assert leaf_stages == [0, 1, 2, 3]  # four equal leaves, one per stage
 
 
+def _finest_optimum(tr: ModelTrace, num_stages: int) -> float:
+    """Reference: min-max contiguous split of every module's own cost in ``named_modules`` order.
+
+    That order is the planner's finest frontier (every leaf and every residual) when modules are
+    called in definition order and share no parameters. Plain O(stages x n^2) DP.
+    """
+    own = stage_costs(tr, {fqn: i for i, fqn in enumerate(tr.modules)}, len(tr.modules))
+    prefix = list(itertools.accumulate(own, initial=0.0))
+    n = len(own)
+    best = [prefix[i] if i else float("inf") for i in range(n + 1)]
+    for parts in range(2, num_stages + 1):
+        best = [
+            min((max(best[p], prefix[i] - prefix[p]) for p in range(parts - 1, i)), default=float("inf"))
+            for i in range(n + 1)
+        ]
+    return best[n]
+
+
+def test_expansion_passes_through_containers_with_one_called_child() -> None:
+    # Chain -> layers (a ModuleList, never called) -> six Linear: splitting the Chain only pays off
+    # two levels down, as in nn.TransformerEncoder -> layers -> layers.i.
+    model = nn.Sequential(nn.Linear(16, 16), Chain([nn.Linear(16, 16) for _ in range(6)]))
+    tr = _trace_forward(model, torch.randn(BATCH, 16))
+    for num_stages in (2, 3, 4):
+        p = plan(tr, num_stages)
+        _check_plan_invariants(model, tr, p)
+        _check_contiguous(tr, p)
+        assert max(p.stage_costs) == pytest.approx(_finest_optimum(tr, num_stages))
+    p = plan(tr, 2)
+    assert {p.stage_of[f"1.layers.{i}"] for i in range(6)} == {0, 1}  # the Chain is split
+
+
 def _pairs_trace(num_pairs: int) -> tuple[nn.Module, ModelTrace, list[str]]:
     """Sequential of Sequential pairs of equal Linear layers; returns the leaf FQNs too."""
     model = nn.Sequential(
@@ -417,6 +450,18 @@ def test_random_trees_give_valid_plans(seed: int) -> None:
         _check_plan_invariants(model, tr, p)
         if not tied:
             _check_contiguous(tr, p)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_trees_reach_the_finest_optimum_within_the_collapse_slack(seed: int) -> None:
+    rng = random.Random(seed)
+    in_dim = rng.choice([4, 8, 16])
+    model, _ = _random_tree(rng, in_dim, depth=3)
+    model = nn.Sequential(model, nn.Linear(_out_dim(model, in_dim), 8))
+    tr = _trace_forward(model, torch.randn(BATCH, in_dim))
+    for num_stages in range(2, min(8, len(tr.modules)) + 1):
+        p = plan(tr, num_stages)
+        assert max(p.stage_costs) <= _finest_optimum(tr, num_stages) * (1 + _COLLAPSE_SLACK) + 1e-12
 
 
 def _out_dim(model: nn.Module, in_dim: int) -> int:

@@ -14,9 +14,10 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_mp
-from tests.models import Branchy, MLPStack, TinyLM
+from lightning_mp.strategy._placement import load_plan
+from tests.models import Branchy, MLPStack, PlacedMLP, TinyLM
 
-MODELS = {"mlp": MLPStack, "branchy": Branchy, "tiedlm": TinyLM}
+MODELS = {"mlp": MLPStack, "branchy": Branchy, "tiedlm": TinyLM, "placed": PlacedMLP}
 STEPS, GLOBAL_BATCH = 3, 8
 
 
@@ -86,7 +87,9 @@ class Record(L.Callback):
         )
 
 
-def _fit(model_name: str, out_dir: str, strategy=None, devices: int = 1, **trainer_kwargs) -> list[dict]:
+def _fit(
+    model_name: str, out_dir: str, strategy=None, devices: int = 1, callbacks_extra=(), **trainer_kwargs
+) -> list[dict]:
     torch.manual_seed(0)
     model = Wrapped(model_name)
     trainer = L.Trainer(
@@ -99,7 +102,7 @@ def _fit(model_name: str, out_dir: str, strategy=None, devices: int = 1, **train
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        callbacks=[Record(out_dir)],
+        callbacks=[Record(out_dir), *callbacks_extra],
         use_distributed_sampler=False,
         **trainer_kwargs,
     )
@@ -195,6 +198,8 @@ def test_checkpoint_resume_matches_one_process(tmp_path, resume_pp):
 
     _fit_with_checkpoint(str(tmp_path / "first"), str(tmp_path / "ck"), smp(2), 2, STEPS)
     assert (tmp_path / "ck" / "last.ckpt" / "meta.pt").is_file(), "a DCP folder with Lightning's metadata"
+    saved_plan = load_plan(str(tmp_path / "ck" / "last.ckpt"), Wrapped("tiedlm"), 2)
+    assert saved_plan.stage_of["net.embed"] == saved_plan.stage_of["net.head"] == 0
     resumed = _fit_with_checkpoint(
         str(tmp_path / "second"), str(tmp_path / "ck2"), smp(resume_pp), resume_pp, 2 * STEPS,
         ckpt_path=str(tmp_path / "ck" / "last.ckpt"),
@@ -284,3 +289,30 @@ def test_bf16_mixed_matches_one_process(tmp_path):
     for result in results:
         for name, value in result["params"].items():
             torch.testing.assert_close(value, reference["params"][name], rtol=2e-2, atol=1e-2, msg=name)
+
+
+def test_manual_placement_summary_and_plan_reuse(tmp_path):
+    """`with lightning_mp.partition(k)` marks win over auto; PartitionSummary writes the plan; reusing it places
+    every parameter on the same rank; measured-time tracing gives a working plan; results match one process."""
+    for name in ("ref", "first", "second"):
+        os.makedirs(tmp_path / name)
+    reference = _fit("placed", str(tmp_path / "ref"))[0]
+    strategy = lightning_mp.SMPStrategy(
+        pipeline_parallel_degree=2, microbatches=2, start_method="spawn", trace_execution_times=True
+    )
+    summary = lightning_mp.PartitionSummary()
+    first = _fit("placed", str(tmp_path / "first"), strategy, devices=2, callbacks_extra=[summary],
+                 default_root_dir=str(tmp_path / "logs"))
+    assert "net.layers.1.0.weight" in first[1]["params"], "built inside lightning_mp.partition(1)"
+    assert "net.head.weight" in first[0]["params"], "built inside lightning_mp.partition(0)"
+    assert (tmp_path / "logs" / "partition.png").stat().st_size > 1000
+    plan_file = tmp_path / "logs" / "partition.json"
+    reused = lightning_mp.SMPStrategy(
+        pipeline_parallel_degree=2, microbatches=2, start_method="spawn", partition_plan=str(plan_file)
+    )
+    second = _fit("placed", str(tmp_path / "second"), reused, devices=2)
+    for rank in range(2):
+        assert sorted(second[rank]["params"]) == sorted(first[rank]["params"])
+    for result in first + second:
+        for name, value in result["params"].items():
+            torch.testing.assert_close(value, reference["params"][name], rtol=1e-5, atol=1e-6, msg=name)

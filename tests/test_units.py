@@ -80,7 +80,6 @@ def test_indivisible_batch_is_a_clear_error():
         ({"pipeline": "1f1b"}, "`pipeline` must be 'interleaved' or 'simple'"),
         ({"pipeline_parallel_degree": 2, "partition": {"h.0": 2}}, r"Stage 2 for 'h.0' is out of range: stages are 0..1"),
         ({"memory_weight": 1.5}, r"`memory_weight` must be in \[0, 1\], got 1.5"),
-        ({"pipeline_parallel_degree": 2, "auto_partition": False}, "needs a manual placement"),
         ({"timeout": timedelta(0)}, "`timeout` must be positive"),
     ],
 )

@@ -5,19 +5,24 @@ A *node* is a piece of the module tree that goes to one stage whole: either a *s
 and all its descendants) or the *residual* of an expanded module (the module itself, its own
 parameters, its self FLOPs, plus any child subtree that was never called during tracing, so such
 children stay with their parent). The *frontier* is a sequence of nodes covering every module
-exactly once, in call order: it starts as ``[root residual] + root's children`` and an expansion
-replaces a subtree node by ``[its residual] + its children``, the children ordered by the first
-call in their subtree. Nodes whose modules share a parameter are merged into one super-node at
-the position of the earliest member. An exact min-max DP cuts the merged sequence into
-``num_stages`` non-empty contiguous segments; among the splits with the optimal bottleneck it
-takes the one with the smallest sum of squared stage costs (then the earliest cut points).
-The frontier is first expanded (costliest node first) until it has ``num_stages`` nodes. Then
-local search: each round keeps the single expansion of a bottleneck-stage node that lowers the
-optimum most; when none does (typically several stages tie at the optimum) it tries expanding
-every node one level deeper, undoing the expansions that gain nothing. Finally expansions are
-undone while the optimum grows by at most ``_COLLAPSE_SLACK`` (1%): splitting a module over
-stages costs communication the model does not count. During the search the optimum only falls:
-expanding a module cannot hurt, since its pieces can still share a stage.
+exactly once, in call order; expanding a subtree node replaces it by ``[its residual] + its
+children``, the children ordered by the first call in their subtree, so the pieces of a subtree stay
+contiguous. Nodes whose modules share a parameter are merged into one super-node at the position
+of the earliest member.
+An exact min-max DP cuts the merged sequence into ``num_stages`` non-empty contiguous segments;
+among the splits with the optimal bottleneck it takes the one with the smallest sum of squared
+stage costs (then the earliest cut points).
+The search starts from the *finest* frontier, every module with called children expanded (all
+leaves and residuals): its optimum is the lowest any frontier reaches, since a coarser frontier
+only forces pieces onto one stage (up to where shared-parameter super-nodes sit). It then coarsens:
+expansions are undone, innermost first, while the optimum stays within ``_COLLAPSE_SLACK`` (1%) of
+the finest one, because splitting a module over stages costs communication the model does not
+count. A split of the current frontier under the limit (stages filled greedily) serves as a
+certificate: a module whose pieces all lie on one of its stages collapses without a check; only
+modules that straddle a stage boundary or share parameters need a DP, so planning a model of a few
+hundred modules takes tens of milliseconds. (A top-down greedy search, expanding a node only when
+that alone lowers the optimum, stalls where the gain needs two levels at once: a container whose
+only called child is another container, as ``nn.TransformerEncoder`` -> ``layers`` -> ``layers.i``.)
 The root residual is always the first node, so the root and its own parameters land on stage 0.
 Manual placements are applied on top; the innermost entry wins for its subtree.
 """
@@ -37,8 +42,8 @@ __all__ = ["PartitionPlan", "plan", "stage_costs"]
 
 # Costs are normalised (they sum to about 1); differences below this are float noise.
 _TOL = 1e-12
-# After the search, expansions are undone while the bottleneck stage cost grows by at most this
-# fraction: splitting a module over stages adds communication that the cost model does not see.
+# Expansions of the finest frontier are undone while the bottleneck stage cost stays within this
+# fraction of its optimum: splitting a module over stages adds communication the cost model does not see.
 _COLLAPSE_SLACK = 0.01
 _ROOT = ""
 _MAX_TABLE_ENTRIES = 6
@@ -322,8 +327,8 @@ class _Split:
 
 
 def _auto_stages(costs: _CostModel, num_stages: int) -> dict[str, int]:
-    frontier = _grow_to_num_stages(costs, costs.expand(_ROOT), num_stages)
-    frontier = _local_search(costs, frontier, num_stages)
+    frontier = _finest_frontier(costs, num_stages)
+    frontier = _coarsen(costs, frontier, num_stages, _COLLAPSE_SLACK)
     split = _split(costs, frontier, num_stages)
     stage_of: dict[str, int] = {}
     for stage, start in enumerate(split.starts):
@@ -338,70 +343,84 @@ def _auto_stages(costs: _CostModel, num_stages: int) -> dict[str, int]:
     return {fqn: stage_of[fqn] for fqn in costs.trace.modules}
 
 
-def _grow_to_num_stages(
-    costs: _CostModel, frontier: list[_Item], num_stages: int
-) -> list[_Item]:
-    """Expands the costliest expandable node until the merged frontier has enough nodes."""
-    while len(_merge(costs, frontier)) < num_stages:
-        expandable = [i for i, item in enumerate(frontier) if costs.expandable(item)]
-        if not expandable:
-            num_nodes = len(_merge(costs, frontier))
-            raise ValueError(
-                f"cannot place {num_stages} stages: the model has only {num_nodes} placeable "
-                "modules (modules called during tracing, counting modules that share parameters "
-                f"as one); use fewer pipeline stages (at most {num_nodes}) or place modules with "
-                "a manual map and auto_partition=False"
-            )
-        index = max(expandable, key=lambda i: costs.describe(frontier[i])[0])  # first on ties
-        frontier = _expand_at(costs, frontier, [index])
+def _finest_frontier(costs: _CostModel, num_stages: int) -> list[_Item]:
+    """Every module with called children expanded: residuals and leaves in call order.
+
+    Raises:
+        ValueError: if even this frontier has fewer (merged) nodes than ``num_stages``.
+    """
+    frontier: list[_Item] = []
+    pending: list[_Item] = [(_ROOT, False)]  # a stack: the next node to place is on top
+    while pending:
+        item = pending.pop()
+        if costs.expandable(item):
+            pending.extend(reversed(costs.expand(item[0])))
+        else:
+            frontier.append(item)
+    num_nodes = len(_merge(costs, frontier))
+    if num_nodes < num_stages:
+        raise ValueError(
+            f"cannot place {num_stages} stages: the model has only {num_nodes} placeable "
+            "modules (modules called during tracing, counting modules that share parameters "
+            f"as one); use fewer pipeline stages (at most {num_nodes}) or place modules with "
+            "a manual map and auto_partition=False"
+        )
     return frontier
 
 
-def _local_search(costs: _CostModel, frontier: list[_Item], num_stages: int) -> list[_Item]:
-    """Expands nodes while that lowers the min-max optimum; see [Note: partition algorithm].
+def _coarsen(costs: _CostModel, frontier: list[_Item], num_stages: int, slack: float) -> list[_Item]:
+    """Undoes expansions, innermost first, while the optimum stays within ``1 + slack`` of the finest one.
 
-    Each round tries every single expansion in the bottleneck stages and keeps the best. When
-    several stages tie at the optimum no single expansion can lower it; the round then expands
-    every node one level deeper and, if that lowers the optimum, collapses again each expansion
-    that the new optimum does not need.
+    Keeps as a certificate a split of the current frontier with every stage under the limit (greedy:
+    each stage filled up to the limit from the left). A module whose pieces all lie on one stage of it,
+    and share no parameters, collapses without changing the certificate; any other collapse is checked
+    with the DP and, when it passes, gets a new certificate. A collapse that fails stays refused: later
+    collapses only add constraints.
     """
-    while True:
-        split = _split(costs, frontier, num_stages)
-        candidates = _bottleneck_items(costs, frontier, split)
-        trials = [_expand_at(costs, frontier, [index]) for index in candidates]
-        best = _lowest_optimum(costs, trials, num_stages, split.optimum)
-        if best is None:
-            best = _one_level_deeper(costs, frontier, num_stages, split.optimum)
-        if best is None:
-            return _collapse_unneeded(costs, frontier, num_stages, _COLLAPSE_SLACK)
-        frontier = best
-
-
-def _one_level_deeper(
-    costs: _CostModel, frontier: list[_Item], num_stages: int, optimum: float
-) -> list[_Item] | None:
-    expandable = [i for i, item in enumerate(frontier) if costs.expandable(item)]
-    if not expandable:
-        return None
-    deeper = _expand_at(costs, frontier, expandable)
-    if _lowest_optimum(costs, [deeper], num_stages, optimum) is None:
-        return None
-    return _collapse_unneeded(costs, deeper, num_stages, slack=0.0)
-
-
-def _collapse_unneeded(
-    costs: _CostModel, frontier: list[_Item], num_stages: int, slack: float
-) -> list[_Item]:
-    """Undoes expansions (innermost first) while the optimum stays within ``1 + slack`` of now."""
     limit = _optimum(costs, frontier, num_stages) * (1.0 + slack) + _TOL
+    stage_at = _greedy_stages(costs, frontier, num_stages, limit)
+    refused: set[str] = set()
     collapsed_any = True
     while collapsed_any:
         collapsed_any = False
         for index in reversed(range(len(frontier))):
-            trial = _collapse_at(costs, frontier, index)
-            if trial is not None and _optimum(costs, trial, num_stages) <= limit:
-                frontier, collapsed_any = trial, True
+            trial = None if frontier[index][0] in refused else _collapse_at(costs, frontier, index)
+            if trial is None:
+                continue
+            width = len(frontier) - len(trial) + 1
+            if _within_one_stage(costs, frontier[index : index + width], stage_at[index : index + width]):
+                stage_at[index : index + width] = [stage_at[index]]
+            elif _optimum(costs, trial, num_stages) <= limit:
+                stage_at = _greedy_stages(costs, trial, num_stages, limit)
+            else:
+                refused.add(frontier[index][0])
+                continue
+            frontier, collapsed_any = trial, True
     return frontier
+
+
+def _within_one_stage(costs: _CostModel, items: list[_Item], stages: list[int]) -> bool:
+    return len(set(stages)) == 1 and not any(costs.describe(item)[2] for item in items)
+
+
+def _greedy_stages(costs: _CostModel, frontier: list[_Item], num_stages: int, limit: float) -> list[int]:
+    """A stage for every frontier index: the merged nodes in order, each stage filled up to ``limit``,
+    except that the last nodes get a stage each when only as many are left as stages still empty.
+
+    Every stage is non-empty and at most ``limit`` when the min-max optimum is at most ``limit``.
+    """
+    nodes = _merge(costs, frontier)
+    stage_at = [0] * len(frontier)
+    stage, load = 0, 0.0
+    for position, (node, cost) in enumerate(zip(nodes, _node_costs(costs, frontier, nodes))):
+        stages_left_empty = num_stages - 1 - stage
+        if position > 0 and (load + cost > limit or len(nodes) - position == stages_left_empty):
+            stage, load = stage + 1, 0.0
+        load += cost
+        for index in node:
+            stage_at[index] = stage
+    assert stage == num_stages - 1, f"greedy split used {stage + 1} of {num_stages} stages"
+    return stage_at
 
 
 def _collapse_at(costs: _CostModel, frontier: list[_Item], index: int) -> list[_Item] | None:
@@ -421,36 +440,6 @@ def _optimum(costs: _CostModel, frontier: list[_Item], num_stages: int) -> float
     if len(nodes) < num_stages:
         return math.inf
     return _min_max(_node_costs(costs, frontier, nodes), num_stages)
-
-
-def _lowest_optimum(
-    costs: _CostModel, trials: list[list[_Item]], num_stages: int, current: float
-) -> list[_Item] | None:
-    """The trial frontier with the lowest min-max optimum below ``current``; first on ties."""
-    best, best_optimum = None, current - _TOL
-    for trial in trials:
-        optimum = _optimum(costs, trial, num_stages)
-        if optimum < best_optimum:
-            best, best_optimum = trial, optimum - _TOL
-    return best
-
-
-def _bottleneck_items(costs: _CostModel, frontier: list[_Item], split: _Split) -> list[int]:
-    """Frontier indices of expandable nodes in the stages whose cost is the optimum."""
-    ends = split.starts[1:] + [len(split.nodes)]
-    found = []
-    for start, end, cost in zip(split.starts, ends, split.stage_costs):
-        if cost >= split.optimum - _TOL:
-            found += [i for node in split.nodes[start:end] for i in node]
-    return sorted(i for i in found if costs.expandable(frontier[i]))
-
-
-def _expand_at(costs: _CostModel, frontier: list[_Item], indices: list[int]) -> list[_Item]:
-    """Replaces the subtree nodes at ``indices`` by their residual and children."""
-    expanded = list(frontier)
-    for index in sorted(indices, reverse=True):
-        expanded[index : index + 1] = costs.expand(frontier[index][0])
-    return expanded
 
 
 def _merge(costs: _CostModel, frontier: list[_Item]) -> list[list[int]]:

@@ -7,7 +7,9 @@ local parameters only and a checkpoint can be restored right after setup.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,13 +17,15 @@ import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_mp.config import SMPConfig
-from lightning_mp.partition import ModelTrace, PartitionPlan, plan, trace
+from lightning_mp.partition import ModelTrace, PartitionPlan, manual_placements, plan, trace
 from lightning_mp.pipeline import split_microbatches
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["broadcast_plan", "make_plan", "single_stage_plan"]
+__all__ = ["PLAN_KEY", "broadcast_plan", "load_plan", "make_plan", "single_stage_plan"]
+
+PLAN_KEY = "lightning_mp"  # checkpoint entry: {"partition_plan": PartitionPlan.to_dict()}
 
 _STEP_OF_FN = {
     TrainerFn.FITTING: "training_step",
@@ -51,7 +55,7 @@ def make_plan(
     devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
     try:
         with torch.random.fork_rng(devices=devices):  # the sample and the trace leave the RNG as it was
-            model_trace = trace(module, _trace_run(trainer, config, to_device))
+            model_trace = trace(module, _trace_run(trainer, config, to_device), measure_time=config.trace_execution_times)
     finally:
         module.train(was_training)
         _reset_metrics(module)
@@ -59,7 +63,7 @@ def make_plan(
         model_trace,
         config.pipeline_parallel_degree,
         memory_weight=config.effective_memory_weight,
-        manual=dict(config.partition),
+        manual={**manual_placements(module), **config.partition},  # the strategy's map wins for one FQN
         auto_partition=config.auto_partition,
         default_partition=config.default_partition,
     )
@@ -79,6 +83,42 @@ def _check_every_stage_has_parameters(stages: PartitionPlan, model_trace: ModelT
             " optimizers would be empty. Use fewer stages, or place modules with parameters there with"
             " `partition={fqn: stage}`."
         )
+
+
+def load_plan(path: str, module: torch.nn.Module, num_stages: int) -> PartitionPlan:
+    """Read a saved plan (JSON file or lightning_mp checkpoint folder) and check it fits ``module``.
+
+    Raises:
+        FileNotFoundError: if ``path`` holds no plan.
+        ValueError: if the plan has another number of stages or other module names than ``module``.
+    """
+    source = Path(path)
+    if source.is_dir():
+        metadata = torch.load(source / "meta.pt", weights_only=False) if (source / "meta.pt").is_file() else {}
+        data = metadata.get(PLAN_KEY, {}).get("partition_plan")
+    elif source.is_file():
+        data = json.loads(source.read_text())
+    else:
+        data = None
+    if data is None:
+        raise FileNotFoundError(
+            f"No partition plan at {path!r}: pass a JSON file written by PartitionSummary or a lightning_mp"
+            " checkpoint folder."
+        )
+    loaded = PartitionPlan.from_dict(data)
+    if loaded.num_stages != num_stages:
+        raise ValueError(
+            f"The plan at {path!r} has {loaded.num_stages} stages but pipeline_parallel_degree={num_stages}."
+            " Use the same degree, or drop `partition_plan` to plan anew."
+        )
+    names = {fqn for fqn, _ in module.named_modules(remove_duplicate=False)}
+    if names != set(loaded.stage_of):
+        missing, extra = sorted(names - set(loaded.stage_of)), sorted(set(loaded.stage_of) - names)
+        raise ValueError(
+            f"The plan at {path!r} is for another model: modules missing from it {missing[:5]}, unknown to the"
+            f" model {extra[:5]}. Drop `partition_plan` to plan anew."
+        )
+    return loaded
 
 
 def broadcast_plan(result: tuple[PartitionPlan, Any] | BaseException | None, src: int = 0) -> PartitionPlan:

@@ -35,10 +35,10 @@ from typing_extensions import override
 
 from lightning_mp.comm import Transport
 from lightning_mp.config import SMPConfig
-from lightning_mp.partition import PartitionPlan
+from lightning_mp.partition import ModelTrace, PartitionPlan
 from lightning_mp.pipeline import MicrobatchSplitError, PipelineEngine, merge_microbatches, split_microbatches
 from lightning_mp.strategy import _checkpoint
-from lightning_mp.strategy._placement import broadcast_plan, make_plan, single_stage_plan
+from lightning_mp.strategy._placement import PLAN_KEY, broadcast_plan, load_plan, make_plan, single_stage_plan
 from lightning_mp.strategy._step import (
     GradientStash,
     LogRecorder,
@@ -76,6 +76,9 @@ class SMPStrategy(ParallelStrategy):
         partition: manual placement ``{module FQN: stage}``; innermost wins; auto fills the rest.
         optimize: ``"speed"`` (memory_weight 0.2) or ``"memory"`` (0.8), the partition objective preset.
         memory_weight: weight of memory balance in [0, 1]; overrides ``optimize``.
+        trace_execution_times: balance measured module times instead of FLOPs (SMP's knob of that name).
+        partition_plan: reuse a saved plan (JSON from ``PartitionSummary`` or a lightning_mp checkpoint folder)
+            instead of tracing; a resumed run is then placed exactly as before.
         process_group_backend: ``None`` picks gloo on CPU, NCCL on CUDA.
         timeout: how long any rank waits for a peer before raising (collectives and pipeline messages).
         start_method: ``"popen"`` (re-run the script per rank, like ``ddp``) or ``"spawn"``/``"fork"``.
@@ -100,6 +103,8 @@ class SMPStrategy(ParallelStrategy):
         partition: dict[str, int] | None = None,
         optimize: Literal["speed", "memory"] = "speed",
         memory_weight: float | None = None,
+        trace_execution_times: bool = False,
+        partition_plan: str | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork"] = "popen",
@@ -127,6 +132,8 @@ class SMPStrategy(ParallelStrategy):
             partition=dict(partition or {}),
             optimize=optimize,
             memory_weight=memory_weight,
+            trace_execution_times=trace_execution_times,
+            partition_plan=partition_plan,
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
@@ -136,6 +143,7 @@ class SMPStrategy(ParallelStrategy):
         self._device_mesh: DeviceMesh | None = None
         self._engine: PipelineEngine | None = None
         self._plan: PartitionPlan | None = None
+        self._trace: ModelTrace | None = None
         self._grads = GradientStash()
         self._warned_eval_split = False
 
@@ -160,6 +168,11 @@ class SMPStrategy(ParallelStrategy):
         if self._plan is None:
             raise RuntimeError("The partition plan is made in `setup`; it exists once the trainer has started.")
         return self._plan
+
+    @property
+    def partition_trace(self) -> ModelTrace | None:
+        """The trace the plan was made from, on global rank 0 (``None`` elsewhere, or when a plan was reused)."""
+        return self._trace
 
     @property
     def pp_rank(self) -> int:
@@ -312,6 +325,9 @@ class SMPStrategy(ParallelStrategy):
         module = self.lightning_module
         if self.config.pipeline_parallel_degree == 1:
             self._plan = single_stage_plan(module)
+        elif self.config.partition_plan is not None:
+            self._plan = load_plan(self.config.partition_plan, module, self.config.pipeline_parallel_degree)
+            rank_zero_info(f"lightning_mp: reusing the partition plan from {self.config.partition_plan}")
         else:
             result: Any = None
             if self.global_rank == 0:
@@ -321,7 +337,8 @@ class SMPStrategy(ParallelStrategy):
                     result = err
             self._plan = broadcast_plan(result)
             if self.global_rank == 0:
-                rank_zero_info("lightning_mp partition plan:\n" + self._plan.format_table(result[1]))
+                self._trace = result[1]
+                rank_zero_info("lightning_mp partition plan:\n" + self._plan.format_table(self._trace))
             if module.example_input_array is not None:
                 rank_zero_warn(
                     "`example_input_array` cannot run through the pipeline outside a step, so it is cleared after"
@@ -491,6 +508,7 @@ class SMPStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError("The 'smp' strategy saves through torch.distributed.checkpoint; `storage_options` is unused.")
         path = Path(self.broadcast(str(filepath)))
+        checkpoint[PLAN_KEY] = {"partition_plan": self.partition_plan.to_dict()}
         _checkpoint.save_checkpoint(checkpoint, path, self.is_global_zero)
 
     @override

@@ -1,0 +1,159 @@
+"""``PartitionSummary``: what the automatic partitioner decided, as a table, a bar chart and a reusable plan."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+
+from lightning_mp.partition import ModelTrace, PartitionPlan
+
+__all__ = ["PartitionSummary", "StageSummary", "summarize_stages"]
+
+
+@dataclass(frozen=True)
+class StageSummary:
+    """One pipeline stage of a plan.
+
+    Attributes:
+        stage: stage index.
+        modules: the modules worth naming on it (children of modules split over several stages).
+        num_params: parameter elements it holds (shared parameters counted once).
+        flops: forward FLOPs of one traced microbatch run on it (its modules' own FLOPs).
+        activation_bytes: bytes of the outputs of its leaf modules for one microbatch (kept for backward).
+        cost_share: its share of the plan's total cost, in [0, 1].
+    """
+
+    stage: int
+    modules: list[str]
+    num_params: int
+    flops: float
+    activation_bytes: int
+    cost_share: float
+
+
+def summarize_stages(plan: PartitionPlan, trace: ModelTrace) -> list[StageSummary]:
+    """Per-stage totals of ``trace`` under ``plan``."""
+    params = [0] * plan.num_stages
+    flops = [0.0] * plan.num_stages
+    activations = [0] * plan.num_stages
+    inclusive: dict[str, float] = {}
+    for fqn in reversed(trace.modules):  # children before parents; an uncalled container sums its children
+        record = trace.modules[fqn]
+        inclusive[fqn] = record.flops if record.num_calls else sum(inclusive[c] for c in record.children)
+    inclusive[""] = max(inclusive[""], trace.total_flops)  # work outside any module (e.g. the loss)
+    for fqn, stage in plan.stage_of.items():
+        record = trace.modules[fqn]
+        params[stage] += record.num_params
+        flops[stage] += max(0.0, inclusive[fqn] - sum(inclusive[c] for c in record.children))
+        if not record.children:
+            activations[stage] += record.activation_bytes
+    shown = plan._display_modules()
+    return [
+        StageSummary(s, shown[s], params[s], flops[s], activations[s], plan.stage_costs[s])
+        for s in range(plan.num_stages)
+    ]
+
+
+class PartitionSummary(Callback):
+    """Explain the partition at the start of fit/validate/test/predict, on global rank 0.
+
+    Prints a table per stage (modules, parameters, FLOPs, activation bytes, cost share), and writes to the
+    logger's directory (``trainer.log_dir``, else ``default_root_dir``): ``{filename}.png``, a bar chart of the
+    stage costs, and ``{filename}.json``, the plan, which ``SMPStrategy(partition_plan=...)`` can reuse.
+
+    Args:
+        filename: stem of the written files.
+        chart: write the PNG (needs matplotlib).
+    """
+
+    def __init__(self, filename: str = "partition", chart: bool = True) -> None:
+        self.filename = filename
+        self.chart = chart
+        self._done = False
+        self.stages: list[StageSummary] = []
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._summarize(trainer)
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._summarize(trainer)
+
+    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._summarize(trainer)
+
+    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._summarize(trainer)
+
+    def _summarize(self, trainer: Trainer) -> None:
+        if self._done:
+            return
+        self._done = True
+        out_dir = trainer.log_dir or trainer.default_root_dir  # on every rank: `log_dir` is a collective
+        self._write(trainer, out_dir)
+
+    @rank_zero_only
+    def _write(self, trainer: Trainer, out_dir: str) -> None:
+        plan = getattr(trainer.strategy, "partition_plan", None)
+        model_trace = getattr(trainer.strategy, "partition_trace", None)
+        if plan is None or model_trace is None:
+            rank_zero_warn(
+                "PartitionSummary has nothing to show: it needs the 'smp' strategy with pipeline_parallel_degree > 1"
+                " and a plan made in this run (not reused through `partition_plan`)."
+            )
+            return
+        self.stages = summarize_stages(plan, model_trace)
+        rank_zero_info("lightning_mp partition summary:\n" + _table(self.stages))
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, f"{self.filename}.json"), "w") as file:
+            json.dump(plan.to_dict(), file, indent=1)
+        if self.chart:
+            _bar_chart(self.stages, os.path.join(out_dir, f"{self.filename}.png"))
+
+
+def _table(stages: list[StageSummary]) -> str:
+    header = ("stage", "modules", "parameters", "GFLOPs", "activations MiB", "cost")
+    rows = [
+        (
+            str(s.stage),
+            _short(s.modules),
+            f"{s.num_params:,}",
+            f"{s.flops / 1e9:.3f}",
+            f"{s.activation_bytes / 2**20:.2f}",
+            f"{100 * s.cost_share:.1f}%",
+        )
+        for s in stages
+    ]
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+    lines = [" | ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in (header, *rows)]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _short(modules: list[str], limit: int = 60) -> str:
+    text = ", ".join(modules)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _bar_chart(stages: list[StageSummary], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(max(4.0, 1.2 * len(stages) + 2), 3.5))
+    shares = [100 * s.cost_share for s in stages]
+    axes.bar([str(s.stage) for s in stages], shares, color="#4878a8")
+    mean = 100 / len(stages)
+    axes.axhline(mean, color="#c44e52", linestyle="--", linewidth=1, label=f"perfect balance ({mean:.1f}%)")
+    for index, share in enumerate(shares):
+        axes.text(index, share, f"{share:.1f}%", ha="center", va="bottom", fontsize=8)
+    axes.set_xlabel("pipeline stage")
+    axes.set_ylabel("share of cost (%)")
+    axes.set_title(f"Partition: max/mean stage cost = {max(shares) / mean:.3f}")
+    axes.legend(loc="lower right", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
