@@ -113,31 +113,41 @@ def _fit(
 CLIP = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}  # small enough to clip every step
 
 
+# A hand placement that auto would never choose: every other block on stage 1, the tied embedding/head on 0.
+ALTERNATING = {"partition": {"net.blocks.1": 1, "net.blocks.3": 1}, "auto_partition": False}
+
+
 @pytest.mark.parametrize(
-    ("model_name", "pp", "dp", "microbatches", "schedule", "trainer_kwargs"),
+    ("model_name", "pp", "dp", "microbatches", "schedule", "trainer_kwargs", "plan_kwargs"),
     [
-        ("mlp", 2, 1, 1, "interleaved", {}),
-        ("branchy", 2, 1, 4, "interleaved", CLIP),
-        ("tiedlm", 2, 1, 4, "simple", {"accumulate_grad_batches": 2}),
-        ("mlp", 1, 2, 2, "interleaved", {}),
-        ("tiedlm", 2, 2, 2, "interleaved", CLIP),
+        ("mlp", 2, 1, 1, "interleaved", {}, {}),
+        ("branchy", 2, 1, 4, "interleaved", CLIP, {}),
+        ("tiedlm", 2, 1, 4, "simple", {"accumulate_grad_batches": 2}, {}),
+        ("tiedlm", 2, 1, 2, "interleaved", {}, ALTERNATING),
+        ("tiedlm", 2, 1, 2, "interleaved", {}, {"optimize": "memory"}),
+        ("mlp", 1, 2, 2, "interleaved", {}, {}),
+        ("tiedlm", 2, 2, 2, "interleaved", CLIP, {}),
     ],
     ids=[
         "mlp-pp2-mb1",
         "branchy-pp2-mb4-clipnorm",
         "tiedlm-pp2-mb4-simple-accumulate2",
+        "tiedlm-pp2-manual-alternating-plan",
+        "tiedlm-pp2-memory-balanced-plan",
         "mlp-dp2-mb2",
         "tiedlm-pp2xdp2-mb2-clipnorm",
     ],
 )
-def test_fit_matches_one_process(tmp_path, model_name, pp, dp, microbatches, schedule, trainer_kwargs):
+def test_fit_matches_one_process(tmp_path, model_name, pp, dp, microbatches, schedule, trainer_kwargs, plan_kwargs):
     os.makedirs(tmp_path / "ref")
     os.makedirs(tmp_path / "smp")
     reference = _fit(model_name, str(tmp_path / "ref"), **trainer_kwargs)[0]
     strategy = lightning_mp.SMPStrategy(
-        pipeline_parallel_degree=pp, microbatches=microbatches, pipeline=schedule, start_method="spawn"
+        pipeline_parallel_degree=pp, microbatches=microbatches, pipeline=schedule, start_method="spawn", **plan_kwargs
     )
     results = _fit(model_name, str(tmp_path / "smp"), strategy, devices=pp * dp, **trainer_kwargs)
+    if plan_kwargs is ALTERNATING:
+        assert "net.blocks.1.1.weight" in results[1]["params"] and "net.blocks.2.1.weight" in results[0]["params"]
 
     # Global ranks r*pp .. r*pp+pp-1 form data-parallel replica r. Every stage of a replica reports that
     # replica's loss (the mean over its shard of the batch); the mean over replicas is the full-batch loss.
