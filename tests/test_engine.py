@@ -28,6 +28,16 @@ PLACEMENTS = {
 STEPS, LR = 3, 0.1
 
 
+def _one_step(engine, step_fn, parts, *, loss_fn=lambda loss: loss, backward=True, name="step"):
+    """One pipelined step on this rank: the driver runs ``step_fn`` per microbatch, the others serve."""
+    with engine.session(name) as session:
+        if not engine.is_driver:
+            return session.serve()
+        outputs = session.drive(step_fn, parts, loss_fn=loss_fn, backward=backward)
+        session.finish(None)
+        return outputs
+
+
 def _reference(model_name: str) -> dict:
     torch.manual_seed(0)
     cls = MODELS[model_name]
@@ -126,12 +136,7 @@ def _failing_step(rank: int, world_size: int) -> str:
     if rank == 1:
         model.second.forward = explode.__get__(model.second)
     try:
-        with engine.session() as session:
-            if engine.is_driver:
-                session.drive(lambda mb, i: model(mb).sum(), [torch.ones(2, 4)], loss_fn=lambda l: l, backward=True)
-                session.finish(None)
-            else:
-                session.serve()
+        _one_step(engine, lambda mb, i: model(mb).sum(), [torch.ones(2, 4)])
     except Exception as err:  # noqa: BLE001 - the test inspects the message
         return f"{type(err).__name__}: {err}"
     return "no error"
@@ -216,13 +221,7 @@ def _hook_calls(rank: int, world_size: int) -> int:
     transport = Transport(dist.new_group(list(range(world_size))), torch.device("cpu"))
     engine = PipelineEngine(transport, world_size, timeout_s=60)
     engine.install(model, expand_placement(model, PLACEMENTS["three"]))
-    with engine.session() as session:
-        if engine.is_driver:
-            parts = split_microbatches(_ThreeStage.batch(), 4)
-            session.drive(lambda mb, i: _ThreeStage.loss(model, mb), parts, loss_fn=lambda l: l, backward=True)
-            session.finish(None)
-        else:
-            session.serve()
+    _one_step(engine, lambda mb, i: _ThreeStage.loss(model, mb), split_microbatches(_ThreeStage.batch(), 4))
     return model.hook_calls
 
 
@@ -247,24 +246,8 @@ def _schedule_order(rank: int, world_size: int, schedule: str, active: int) -> l
     transport = Transport(dist.new_group([0, 1]), torch.device("cpu"))
     engine = PipelineEngine(transport, 2, schedule=schedule, active_microbatches=active, timeout_s=60)
     engine.install(model, expand_placement(model, PLACEMENTS["mlp"]))
-    in_flight, peak = [0], [0]
-
-    def step(mb, i):
-        in_flight[0] += 1
-        peak[0] = max(peak[0], in_flight[0])
-        return MLPStack.loss(model, mb)
-
-    def loss_fn(loss):
-        return loss
-
-    with engine.session() as session:
-        if engine.is_driver:
-            parts = split_microbatches(MLPStack.batch(n=16), 4)
-            outputs = session.drive(step, parts, loss_fn=loss_fn, backward=True)
-            session.finish(None)
-        else:
-            session.serve()
-    return {"order": order, "peak_started": peak[0]}
+    _one_step(engine, lambda mb, i: MLPStack.loss(model, mb), split_microbatches(MLPStack.batch(n=16), 4))
+    return order
 
 
 def _first_backward_before_last_forward(order: list) -> bool:
@@ -274,9 +257,9 @@ def _first_backward_before_last_forward(order: list) -> bool:
 
 
 def test_simple_runs_all_forwards_before_backwards_and_interleaved_does_not():
-    simple = run_distributed(_schedule_order, 2, "simple", 4)[0]["order"]
+    simple = run_distributed(_schedule_order, 2, "simple", 4)[0]
     assert not _first_backward_before_last_forward(simple), simple
-    interleaved = run_distributed(_schedule_order, 2, "interleaved", 2)[0]["order"]
+    interleaved = run_distributed(_schedule_order, 2, "interleaved", 2)[0]
     assert _first_backward_before_last_forward(interleaved), interleaved
     # with active_microbatches=2, microbatch 2 starts only after microbatch 0 finished its backward
     first_mb2 = interleaved.index((1, 2))
@@ -289,12 +272,8 @@ def _out_of_step(rank: int, world_size: int) -> str:
     engine = PipelineEngine(transport, 2, timeout_s=30)
     engine.install(model, expand_placement(model, PLACEMENTS["mlp"]))
     try:
-        with engine.session("validation_step" if rank == 0 else "training_step") as session:
-            if engine.is_driver:
-                session.drive(lambda mb, i: MLPStack.loss(model, mb), [MLPStack.batch()], loss_fn=lambda l: l, backward=False)
-                session.finish(None)
-            else:
-                session.serve()
+        name = "validation_step" if rank == 0 else "training_step"
+        _one_step(engine, lambda mb, i: MLPStack.loss(model, mb), [MLPStack.batch()], backward=False, name=name)
     except Exception as err:  # noqa: BLE001 - the test inspects the message
         return f"{type(err).__name__}: {err}"
     return "no error"
@@ -319,12 +298,7 @@ def _dying_stage(rank: int, world_size: int) -> dict:
         model.head.register_forward_pre_hook(lambda *_: os._exit(0))  # the process vanishes mid-step
     start = time.monotonic()
     try:
-        with engine.session() as session:
-            if engine.is_driver:
-                session.drive(lambda mb, i: MLPStack.loss(model, mb), [MLPStack.batch()], loss_fn=lambda l: l, backward=True)
-                session.finish(None)
-            else:
-                session.serve()
+        _one_step(engine, lambda mb, i: MLPStack.loss(model, mb), [MLPStack.batch()])
     except Exception as err:  # noqa: BLE001 - the test inspects the message
         return {"error": f"{type(err).__name__}: {err}", "seconds": time.monotonic() - start}
     return {"error": "no error", "seconds": time.monotonic() - start}
