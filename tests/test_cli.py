@@ -60,7 +60,7 @@ def test_gpt_pp2_short_fit(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     output = result.stdout + result.stderr
-    assert "partition plan" in output and "Epoch 0" in output, "partition table and progress bar are shown"
+    assert "lightning_mp partition summary" in output and "Epoch 0" in output, "partition table and progress bar"
     metrics_files = list(tmp_path.rglob("metrics.csv"))
     assert len(metrics_files) == 1
     rows = list(csv.DictReader(metrics_files[0].open()))

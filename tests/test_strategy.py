@@ -280,7 +280,7 @@ def test_indivisible_training_batch_fails_at_setup_on_every_rank():
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False, use_distributed_sampler=False
     )
-    with pytest.raises(Exception, match=r"Partitioning failed on rank 0: MicrobatchSplitError.*into 3 microbatches"):
+    with pytest.raises(Exception, match=r"Setup failed on global rank 0 while tracing.*MicrobatchSplitError.*into 3 microbatches"):
         trainer.fit(Wrapped("mlp"))
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_mp.config import SMPConfig
 from lightning_mp.partition import ModelTrace, PartitionPlan, manual_placements, plan, trace
@@ -93,6 +94,8 @@ def load_plan(path: str, module: torch.nn.Module, num_stages: int) -> PartitionP
         ValueError: if the plan has another number of stages or other module names than ``module``.
     """
     source = Path(path)
+    if (source / "partition.json").is_file():  # the log folder PartitionSummary wrote to
+        source = source / "partition.json"
     if source.is_dir():
         metadata = torch.load(source / "meta.pt", weights_only=False) if (source / "meta.pt").is_file() else {}
         data = metadata.get(PLAN_KEY, {}).get("partition_plan")
@@ -134,7 +137,9 @@ def broadcast_plan(result: tuple[PartitionPlan, Any] | BaseException | None, src
     status, *rest = payload[0]
     if status == "error":
         kind, message = rest
-        raise (ValueError if kind == "ValueError" else RuntimeError)(f"Partitioning failed on rank {src}: {message}")
+        raise (ValueError if kind == "ValueError" else RuntimeError)(
+            f"Setup failed on global rank {src} while tracing one microbatch to partition the model: {message}"
+        )
     return PartitionPlan.from_dict(rest[0])
 
 
@@ -183,8 +188,27 @@ def _first_batch(trainer: pl.Trainer) -> Any | None:
         dataloader = next(iter(dataloader.values()), None)
     if dataloader is None:
         return None
+    if trainer.state.fn == TrainerFn.FITTING:
+        _warn_if_last_batch_indivisible(dataloader, trainer)
     return next(iter(dataloader))
 
+
+def _warn_if_last_batch_indivisible(dataloader: Any, trainer: pl.Trainer) -> None:
+    """The last batch of an epoch is smaller unless ``drop_last``; say now if it will not split."""
+    microbatches = trainer.strategy.config.microbatches
+    batch_size = getattr(dataloader, "batch_size", None)
+    dataset = getattr(dataloader, "dataset", None)
+    if microbatches == 1 or not batch_size or getattr(dataloader, "drop_last", True) or not hasattr(dataset, "__len__"):
+        return
+    replicas = trainer.strategy.distributed_sampler_kwargs["num_replicas"] if trainer._accelerator_connector.use_distributed_sampler else 1
+    per_replica = -(-len(dataset) // replicas)
+    last = per_replica % batch_size
+    if last and last % microbatches:
+        rank_zero_warn(
+            f"The last training batch of each epoch will have {last} samples ({per_replica} per data-parallel"
+            f" replica, batch_size={batch_size}), which does not split into microbatches={microbatches}: that step"
+            " will fail. Use `drop_last=True` in the train DataLoader, or a batch size that divides the data."
+        )
 
 def _reset_metrics(module: torch.nn.Module) -> None:
     """Undo the trace's updates of torchmetrics states."""

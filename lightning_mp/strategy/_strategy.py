@@ -35,7 +35,8 @@ from typing_extensions import override
 
 from lightning_mp.comm import Transport
 from lightning_mp.config import SMPConfig
-from lightning_mp.partition import ModelTrace, PartitionPlan
+from lightning_mp.callbacks import PartitionSummary
+from lightning_mp.partition import ModelTrace, PartitionPlan, manual_placements
 from lightning_mp.pipeline import MicrobatchSplitError, PipelineEngine, merge_microbatches, split_microbatches
 from lightning_mp.strategy import _checkpoint
 from lightning_mp.strategy._placement import PLAN_KEY, broadcast_plan, load_plan, make_plan, single_stage_plan
@@ -324,6 +325,11 @@ class SMPStrategy(ParallelStrategy):
             return
         module = self.lightning_module
         if self.config.pipeline_parallel_degree == 1:
+            if self.config.partition or self.config.partition_plan or manual_placements(module):
+                rank_zero_warn(
+                    "Stage placements (`partition=`, `partition_plan=` or `with lightning_mp.partition(k)`) have no"
+                    " effect with pipeline_parallel_degree=1; set pipeline_parallel_degree > 1 to split the model."
+                )
             self._plan = single_stage_plan(module)
         elif self.config.partition_plan is not None:
             self._plan = load_plan(self.config.partition_plan, module, self.config.pipeline_parallel_degree)
@@ -338,7 +344,12 @@ class SMPStrategy(ParallelStrategy):
             self._plan = broadcast_plan(result)
             if self.global_rank == 0:
                 self._trace = result[1]
-                rank_zero_info("lightning_mp partition plan:\n" + self._plan.format_table(self._trace))
+                if not any(isinstance(c, PartitionSummary) for c in trainer.callbacks):  # it prints a fuller table
+                    rank_zero_info("lightning_mp partition plan:\n" + self._plan.format_table(self._trace))
+                rank_zero_info(
+                    "lightning_mp: Lightning's model summary counts the parameters of pipeline stage 0 only"
+                    " (global rank 0); the partition table covers every stage."
+                )
             if module.example_input_array is not None:
                 rank_zero_warn(
                     "`example_input_array` cannot run through the pipeline outside a step, so it is cleared after"
