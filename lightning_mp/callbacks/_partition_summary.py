@@ -50,7 +50,7 @@ def summarize_stages(plan: PartitionPlan, trace: ModelTrace) -> list[StageSummar
         flops[stage] += max(0.0, inclusive[fqn] - sum(inclusive[c] for c in record.children))
         if not record.children:
             activations[stage] += record.activation_bytes
-    shown = plan._display_modules()
+    shown = plan.display_modules()
     return [
         StageSummary(s, shown[s], params[s], flops[s], activations[s], plan.stage_costs[s])
         for s in range(plan.num_stages)

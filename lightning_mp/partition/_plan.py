@@ -105,7 +105,7 @@ class PartitionPlan:
             record = trace.modules.get(fqn)
             num_params[stage] += record.num_params if record is not None else 0
         header = ("stage", "modules", "parameters", "cost")
-        shown = self._display_modules()
+        shown = self.display_modules()
         rows = [
             (
                 str(stage),
@@ -117,8 +117,8 @@ class PartitionPlan:
         ]
         return _render_table(header, rows)
 
-    def _display_modules(self) -> list[list[str]]:
-        """Per stage, the modules worth naming: children of modules whose subtree spans several stages."""
+    def display_modules(self) -> list[list[str]]:
+        """Per stage, the modules worth naming in a summary: children of modules whose subtree spans several stages."""
         spans: dict[str, set[int]] = {fqn: {stage} for fqn, stage in self.stage_of.items()}
         for fqn in sorted(self.stage_of, key=lambda f: -f.count(".") if f else 1):
             if fqn != _ROOT:
