@@ -144,3 +144,37 @@ def test_wire_format_round_trip_keeps_structure_dtype_and_flags():
 def test_unpicklable_value_is_a_clear_error():
     with pytest.raises(TypeError, match="Cannot send .* between pipeline stages"):
         pack({"fn": lambda x: x})
+
+
+def test_a_stage_without_parameters_is_rejected_before_training():
+    from torch import nn
+
+    from lightning_mp.partition import plan, trace
+    from lightning_mp.strategy._placement import _check_every_stage_has_parameters
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    model_trace = trace(model, lambda: model(torch.randn(2, 4)))
+    stages = plan(model_trace, 2, manual={"1": 1})
+    with pytest.raises(ValueError, match=r"Pipeline stage\(s\) \[1\] would hold no parameters"):
+        _check_every_stage_has_parameters(stages, model_trace)
+
+
+def test_saved_plans_are_checked_against_the_model(tmp_path):
+    import json
+
+    from torch import nn
+
+    from lightning_mp.partition import plan, trace
+    from lightning_mp.strategy._placement import load_plan
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    saved = plan(trace(model, lambda: model(torch.randn(2, 4))), 2)
+    (tmp_path / "partition.json").write_text(json.dumps(saved.to_dict()))
+    assert load_plan(str(tmp_path), model, 2) == saved, "the log folder PartitionSummary wrote to"
+    assert load_plan(str(tmp_path / "partition.json"), model, 2) == saved
+    with pytest.raises(ValueError, match="has 2 stages but pipeline_parallel_degree=4"):
+        load_plan(str(tmp_path / "partition.json"), model, 4)
+    with pytest.raises(ValueError, match=r"is for another model: modules missing from it \['2'\]"):
+        load_plan(str(tmp_path / "partition.json"), nn.Sequential(*model, nn.ReLU()), 2)
+    with pytest.raises(FileNotFoundError, match="No partition plan"):
+        load_plan(str(tmp_path / "nothing.json"), model, 2)
