@@ -71,3 +71,14 @@ def test_gpt_pp2_short_fit(tmp_path):
     assert len(list(tmp_path.rglob("partition.png"))) == 1, "the config's PartitionSummary drew the chart"
     checkpoints = list(tmp_path.rglob("*.ckpt"))
     assert checkpoints and (checkpoints[0] / "meta.pt").is_file()
+
+
+def test_fit_then_validate_in_the_same_processes():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "tests/scripts/fit_then_validate.py"], cwd=ROOT, capture_output=True, text=True,
+        timeout=300, env=env,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    losses = sorted(line.split()[-1] for line in result.stdout.splitlines() if line.startswith("RANK"))
+    assert len(losses) == 2 and losses[0] == losses[1], "both stages report the same validation loss"

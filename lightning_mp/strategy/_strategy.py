@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Mapping
 from datetime import timedelta
 from functools import partial
@@ -243,8 +244,10 @@ class SMPStrategy(ParallelStrategy):
         )
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, timeout=self.config.timeout)
-        self._device_mesh = build_device_mesh(self._topology, self.root_device.type)
-        self._engine = self._build_engine()
+        if self._engine is None:  # a later fit/validate/test in the same processes keeps groups, plan and placement
+            self._device_mesh = build_device_mesh(self._topology, self.root_device.type)
+            self._engine = self._build_engine()
+            _destroy_process_groups_at_exit()
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -550,6 +553,31 @@ class SMPStrategy(ParallelStrategy):
         strategy_registry.register(
             "smp", cls, description="lightning_mp: automatic pipeline partitioning x data parallel (SageMaker MP design)"
         )
+
+
+_EXIT_HOOK_REGISTERED = False
+
+
+def _destroy_process_groups_at_exit() -> None:
+    """Destroy every process group while Python is still whole, rather than in interpreter finalisation.
+
+    The pipeline adds its own point-to-point groups and threads that used them; letting their gloo contexts be
+    torn down during finalisation once aborted a process ("terminate called without an active exception")
+    after a successful fit.
+    """
+    global _EXIT_HOOK_REGISTERED
+    if _EXIT_HOOK_REGISTERED:
+        return
+    _EXIT_HOOK_REGISTERED = True
+
+    def destroy() -> None:
+        if dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - best effort at exit
+                pass
+
+    atexit.register(destroy)
 
 
 def _scaled_loss(output: Any, scale: float | None) -> Tensor | None:
