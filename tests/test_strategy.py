@@ -182,7 +182,11 @@ def _fit_with_checkpoint(out_dir: str, ckpt_dir: str, strategy, devices: int, ma
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[Record(out_dir), L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True)],
+        callbacks=[
+            Record(out_dir),
+            # monitor: every rank must see the logged value, or ModelCheckpoint raises on the ranks without it
+            L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, monitor="train_loss", mode="min"),
+        ],
         use_distributed_sampler=False,
     )
     trainer.fit(Wrapped("tiedlm"), ckpt_path=ckpt_path)
