@@ -7,7 +7,6 @@ full batch in one process.
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch

@@ -12,8 +12,9 @@ The pickle holds the skeleton with tensor placeholders and per-tensor (shape, dt
 messages (requests, replies, gradients) have a small pickle, so they take one frame plus one for the data.
 
 Frames of one message are sent under a per-destination lock, so threads may send concurrently. A tensor that
-appears twice in a message arrives as one tensor. Received tensors are leaves with the dtype, shape and
-``requires_grad`` flag they left with.
+appears twice in a message arrives as one tensor. Received tensors are fresh leaves (own storage) with the
+dtype and shape they left with; the ``requires_grad`` flag each left with is returned beside them
+(:class:`Message`), and the receiver decides whether to set it.
 """
 
 from __future__ import annotations
