@@ -19,9 +19,11 @@ dtype and shape they left with; the ``requires_grad`` flag each left with is ret
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,11 +98,13 @@ class Message:
         obj: the rebuilt object; its tensors are fresh leaves with ``requires_grad=False``.
         tensors: those tensors, in the sender's placeholder order (same order as ``Packed.tensors``).
         requires_grad: the ``requires_grad`` flag each tensor left with. The receiver decides whether to set it.
+        arrived_s: ``time.perf_counter()`` when the message's first frame had arrived (0.0 if not received).
     """
 
     obj: Any
     tensors: list[torch.Tensor]
     requires_grad: list[bool]
+    arrived_s: float = 0.0
 
 
 def pack(obj: Any) -> Packed:
@@ -192,6 +196,7 @@ class Transport:
         """
         header = torch.empty(_HEADER_NBYTES, dtype=torch.uint8, device=self.device)
         dist.recv(header, group=self.group, group_src=src)
+        arrived_s = time.perf_counter()
         header = header.cpu()
         payload_nbytes, data_nbytes = (int(v) for v in header[:_LENGTHS_NBYTES].view(torch.int64).tolist())
         if payload_nbytes <= _HEADER_NBYTES - _LENGTHS_NBYTES:
@@ -204,7 +209,7 @@ class Transport:
         if data_nbytes:
             data = torch.empty(data_nbytes, dtype=torch.uint8, device=self.device)
             dist.recv(data, group=self.group, group_src=src)
-        return _unpack(payload, data, self.device)
+        return dataclasses.replace(_unpack(payload, data, self.device), arrived_s=arrived_s)
 
     def _gather(self, packed: Packed) -> torch.Tensor | None:
         """Copy every tensor's bytes into one aligned wire buffer."""

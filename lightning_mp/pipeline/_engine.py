@@ -37,6 +37,7 @@ from torch import nn
 
 from lightning_mp.comm import Message, Transport, connect_remote_outputs, pack
 from lightning_mp.pipeline._scheduler import ComputeToken, Priority
+from lightning_mp.pipeline._timeline import TimelineRecorder
 
 __all__ = ["PipelineEngine", "PipelineError", "PipelineSession"]
 
@@ -63,6 +64,7 @@ class _Task:
 
     microbatch: int
     phase: int
+    label: str = "step"  # module FQN of a served request, "step" for the driver's microbatch code
 
     @property
     def priority(self) -> Priority:
@@ -169,6 +171,8 @@ class PipelineEngine:
         self._session: PipelineSession | None = None
         self._call_ids = itertools.count()
         self._sessions = itertools.count()
+        self.timeline = TimelineRecorder()
+        """Off by default; ``timeline.start()`` records every compute span and message (see ``_timeline.py``)."""
 
     @property
     def is_driver(self) -> bool:
@@ -302,6 +306,9 @@ class PipelineSession:
         self.transport = engine.transport
         self.peers = [s for s in range(engine.num_stages) if s != engine.stage]
         self.token = ComputeToken(self.raise_if_failed)
+        self.timeline = engine.timeline
+        if self.timeline.enabled:
+            self.token.on_release = self._record_compute
         self._lock = threading.Lock()
         self._futures: dict[tuple[int, int], _Future] = {}
         self._saved: dict[tuple[int, int], _SavedCall] = {}
@@ -316,6 +323,18 @@ class PipelineSession:
     def envelope(self, kind: str, call_id: tuple[int, int] | None = None, body: Any = None, microbatch: int = 0) -> _Envelope:
         """A message of this step."""
         return _Envelope(kind, self.step, call_id, body, microbatch)
+
+    def _record_compute(self, since: float) -> None:
+        task = _current_task()
+        if task is not None:
+            category = "forward" if task.phase == _FORWARD else "backward"
+            self.timeline.record(category, task.label, task.microbatch, since)
+
+    def send(self, message: Any, peer: int, microbatch: int = 0) -> None:
+        """Send one message (an envelope or a packed one) to ``peer``, recording it on the timeline."""
+        start = time.perf_counter()
+        self.transport.send(message, peer)
+        self.timeline.record("send", f"to stage {peer}", microbatch, start)
 
     def start(self) -> None:
         for peer in self.peers:
@@ -351,9 +370,9 @@ class PipelineSession:
         for receiver in self._receivers:
             receiver.join(self.engine.timeout_s if self._error is None else _POLL_S)
 
-    def _send_quietly(self, envelope: _Envelope, peer: int) -> None:
+    def _send_quietly(self, envelope: Any, peer: int, microbatch: int = 0) -> None:
         try:
-            self.transport.send(envelope, peer)
+            self.send(envelope, peer, microbatch)
         except Exception as err:  # the peer may be gone; the step is failing anyway
             if self._error is None:
                 self.fail(PipelineError(f"Could not reach {self.engine.describe_stage(peer)}: {err}"))
@@ -437,7 +456,7 @@ class PipelineSession:
         """Send ``summary`` (e.g. the step's mean loss and logged values) to every other stage."""
         self._finished = True
         for peer in self.peers:
-            self.transport.send(self.envelope("end", body=("ok", summary)), peer)
+            self.send(self.envelope("end", body=("ok", summary)), peer)
 
     # ---- server ----------------------------------------------------------------------------------------------
 
@@ -461,6 +480,7 @@ class PipelineSession:
                 self.fail(PipelineError(f"Lost contact with {self.engine.describe_stage(peer)}: {err}"))
                 return
             envelope: _Envelope = message.obj
+            self.timeline.record("recv", f"from stage {peer}", envelope.microbatch, message.arrived_s)
             if envelope.step != self.step:
                 self.fail(
                     PipelineError(
@@ -488,8 +508,8 @@ class PipelineSession:
     def _serve_request(self, peer: int, message: Message) -> None:
         envelope: _Envelope = message.obj
         phase = _FORWARD if envelope.kind == "fwd" else _BACKWARD
-        task = _Task(envelope.microbatch, phase)
         fqn = envelope.body[0]
+        task = _Task(envelope.microbatch, phase, fqn)
         try:
             with _as_task(task), self.token.hold(task.priority):
                 if envelope.kind == "fwd":
@@ -500,7 +520,7 @@ class PipelineSession:
             where = self.engine.describe_stage(self.engine.stage)
             text = f"{where} failed running {fqn!r} for microbatch {envelope.microbatch}:\n{traceback.format_exc()}"
             reply = self.envelope("error", envelope.call_id, str(err) if isinstance(err, PipelineError) else text)
-        self._send_quietly(reply, peer)
+        self._send_quietly(reply, peer, envelope.microbatch)
 
     def _run_forward(self, envelope: _Envelope, message: Message) -> _Envelope:
         fqn, args, kwargs, grad_enabled = envelope.body
@@ -543,7 +563,7 @@ class PipelineSession:
         with self._lock:
             self._futures[call_id] = future
         with self.token.paused(task.priority):
-            self.transport.send(request, stage)
+            self.send(request, stage, task.microbatch)
             message: Message = future.wait(
                 self.engine.timeout_s, self.raise_if_failed, f"{what} on {self.engine.describe_stage(stage)}"
             )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -28,6 +29,10 @@ class ComputeToken:
     Args:
         check_failed: called while waiting; raise from it to abort every waiter (e.g. a peer died).
         poll_s: how often (seconds) waiters re-check ``check_failed``.
+
+    Attributes:
+        on_release: if set, called by the releasing thread with the ``time.perf_counter()`` at which it had
+            acquired the token (the engine records compute spans for the timeline with it).
     """
 
     def __init__(self, check_failed: Callable[[], None], poll_s: float = 0.5) -> None:
@@ -37,6 +42,8 @@ class ComputeToken:
         self._arrival = itertools.count()
         self._check_failed = check_failed
         self._poll_s = poll_s
+        self._since = 0.0
+        self.on_release: Callable[[float], None] | None = None
 
     def acquire(self, priority: Priority) -> None:
         """Block until this thread holds the token."""
@@ -55,6 +62,7 @@ class ComputeToken:
                 raise
             heapq.heappop(self._queue)
             self._holder = me
+            self._since = time.perf_counter()
 
     def release(self) -> bool:
         """Give the token back if this thread holds it. Returns whether it did."""
@@ -62,8 +70,11 @@ class ComputeToken:
             if self._holder != threading.get_ident():
                 return False
             self._holder = None
+            since = self._since
             self._cv.notify_all()
-            return True
+        if self.on_release is not None:
+            self.on_release(since)
+        return True
 
     @contextmanager
     def hold(self, priority: Priority) -> Iterator[None]:
