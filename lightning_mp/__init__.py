@@ -11,12 +11,21 @@ work after ``import lightning_mp``.
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_mp import callbacks, partition
-from lightning_mp.callbacks import PartitionSummary
+from lightning_mp.callbacks import PartitionSummary, PipelineTimeline
 from lightning_mp.config import SMPConfig
 from lightning_mp.strategy import SMPStrategy
 from lightning_mp.topology import MeshAxis, Topology
 
-__all__ = ["MeshAxis", "PartitionSummary", "SMPConfig", "SMPStrategy", "Topology", "callbacks", "partition"]
+__all__ = [
+    "MeshAxis",
+    "PartitionSummary",
+    "PipelineTimeline",
+    "SMPConfig",
+    "SMPStrategy",
+    "Topology",
+    "callbacks",
+    "partition",
+]
 __version__ = "0.1.0"
 
 if "smp" not in StrategyRegistry:

@@ -71,6 +71,8 @@ class SMPStrategy(ParallelStrategy):
         pipeline_parallel_degree: number of pipeline stages (SMP ``partitions``).
         tensor_parallel_degree: must be 1 for now (tensor parallelism is not built yet).
         microbatches: microbatches per batch; every tensor's dim 0 must divide by it.
+        non_split_inputs: top-level batch entries (dict keys, dataclass/NamedTuple field names, tuple/list
+            positions) given whole to every microbatch instead of split (SMP's ``non_split_inputs``).
         pipeline: ``"interleaved"`` (backward first whenever ready, 1F1B-like memory) or ``"simple"`` (GPipe).
         active_microbatches: cap on microbatches in flight; ``None`` = ``pipeline_parallel_degree + 2``.
         auto_partition: balance modules over stages automatically; if ``False``, ``partition`` must place them.
@@ -98,6 +100,7 @@ class SMPStrategy(ParallelStrategy):
         pipeline_parallel_degree: int = 1,
         tensor_parallel_degree: int = 1,
         microbatches: int = 1,
+        non_split_inputs: list[str | int] | None = None,
         pipeline: Literal["interleaved", "simple"] = "interleaved",
         active_microbatches: int | None = None,
         auto_partition: bool = True,
@@ -127,6 +130,7 @@ class SMPStrategy(ParallelStrategy):
             pipeline_parallel_degree=pipeline_parallel_degree,
             tensor_parallel_degree=tensor_parallel_degree,
             microbatches=microbatches,
+            non_split_inputs=non_split_inputs if isinstance(non_split_inputs, (str, int)) else tuple(non_split_inputs or ()),
             pipeline=pipeline,
             active_microbatches=active_microbatches,
             auto_partition=auto_partition,
@@ -175,6 +179,11 @@ class SMPStrategy(ParallelStrategy):
     def partition_trace(self) -> ModelTrace | None:
         """The trace the plan was made from, on global rank 0 (``None`` elsewhere, or when a plan was reused)."""
         return self._trace
+
+    @property
+    def pipeline_engine(self) -> PipelineEngine | None:
+        """This rank's pipeline engine (``None`` before the processes are launched); ``engine.timeline`` records."""
+        return self._engine
 
     @property
     def pp_rank(self) -> int:
@@ -434,7 +443,7 @@ class SMPStrategy(ParallelStrategy):
     def _split(self, batch: Any, training: bool) -> list[Any]:
         """Split on every rank (all stages hold the batch), so a bad batch fails everywhere before any message."""
         try:
-            return split_microbatches(batch, self.config.microbatches)
+            return split_microbatches(batch, self.config.microbatches, non_split_inputs=self.config.non_split_inputs)
         except MicrobatchSplitError:
             if training:
                 raise
