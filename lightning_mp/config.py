@@ -36,6 +36,11 @@ class SMPConfig:
     microbatches: int = 1
     """Microbatches per batch. Every tensor in a batch is split along dim 0 into this many equal parts."""
 
+    non_split_inputs: tuple[str | int, ...] = ()
+    """Top-level entries of a batch given whole to every microbatch instead of split along dim 0 (SMP's
+    ``@smp.step(non_split_inputs=...)``): keys of a dict batch, field names of a dataclass or NamedTuple batch,
+    integer positions of a tuple or list batch. E.g. ``("table",)`` for a lookup table every sample reads."""
+
     pipeline: PipelineSchedule = "interleaved"
     """``"interleaved"``: backward work of a microbatch runs as soon as it is ready and has priority over
     forward work (1F1B-like activation memory). ``"simple"``: all forwards, then all backwards (GPipe)."""
@@ -84,6 +89,7 @@ class SMPConfig:
                 f"`tensor_parallel_degree={self.tensor_parallel_degree}` is not supported yet; tensor parallelism"
                 " is still being built. Use `tensor_parallel_degree=1` (pipeline and data parallelism work)."
             )
+        self._check_non_split_inputs()
         if self.pipeline not in ("interleaved", "simple"):
             raise ValueError(f"`pipeline` must be 'interleaved' or 'simple', got {self.pipeline!r}.")
         if self.optimize not in _DEFAULT_MEMORY_WEIGHT:
@@ -100,6 +106,19 @@ class SMPConfig:
                 )
         if self.timeout.total_seconds() <= 0:
             raise ValueError(f"`timeout` must be positive, got {self.timeout}.")
+
+    def _check_non_split_inputs(self) -> None:
+        names = self.non_split_inputs
+        if not isinstance(names, tuple):
+            hint = f" For one entry pass ({names!r},)." if isinstance(names, (str, int)) else ""
+            raise ValueError(
+                f"`non_split_inputs` must be a tuple of batch keys, field names or positions, got {names!r}.{hint}"
+            )
+        bad = [n for n in names if isinstance(n, bool) or not isinstance(n, (str, int))]
+        if bad:
+            raise ValueError(f"`non_split_inputs` entries must be str (keys, field names) or int (positions), got {bad!r}.")
+        if len(set(names)) != len(names):
+            raise ValueError(f"`non_split_inputs` names an entry twice: {names!r}.")
 
     @property
     def effective_memory_weight(self) -> float:

@@ -1,14 +1,25 @@
 """Splitting a batch into microbatches and merging per-microbatch results.
 
-Matches SMP's ``@smp.step`` input splitting (tensors split along dim 0, everything else replicated) and
+Matches SMP's ``@smp.step`` input splitting (tensors split along dim 0, everything else replicated, and
+``non_split_inputs`` given whole to every microbatch) and
 ``torch.distributed.pipelining.microbatch.split_args_kwargs_into_chunks``, but recurses through any
 list/tuple/NamedTuple/dict/dataclass so LightningModule batches of any shape work unchanged.
+
+[Note: custom microbatch split] A value of any other class decides its own split by defining a method
+``split_microbatches(self, num_microbatches: int) -> Sequence`` that returns exactly ``num_microbatches`` parts
+(part ``i`` goes to microbatch ``i``), e.g. a ragged batch that splits its offsets, or a graph batch that splits
+by graph. It is called once per batch, before any recursion into the value. It may also define a classmethod or
+staticmethod ``merge_microbatches(parts: list) -> value`` that :func:`merge_microbatches` uses to merge step
+outputs of that class (without it, such outputs are merged as other unknown objects: one value if all are
+equal, else the list of parts). A split that raises or returns another number of parts is a
+:class:`MicrobatchSplitError` naming where in the batch the value sits. Values without the method (and that are
+not tensors or containers) are given to every microbatch unchanged.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -20,49 +31,134 @@ class MicrobatchSplitError(ValueError):
     """A batch cannot be split into equal microbatches."""
 
 
-def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
+def split_microbatches(
+    batch: Any, num_microbatches: int, *, non_split_inputs: Collection[str | int] = ()
+) -> list[Any]:
     """Split ``batch`` into ``num_microbatches`` equal parts along dim 0 of every tensor.
 
     Tensors of shape ``(B, ...)`` become ``num_microbatches`` tensors of shape ``(B / num_microbatches, ...)``
-    (views, no copy). Lists, tuples, NamedTuples, dicts and dataclasses are split recursively; other values
-    (ints, strings, None, 0-dim tensors) are given to every microbatch unchanged.
+    (views, no copy). Lists, tuples, NamedTuples, dicts and dataclasses are split recursively; a value with its
+    own ``split_microbatches(num_microbatches)`` method is split by it (see [Note: custom microbatch split]);
+    other values (ints, strings, None, 0-dim tensors) are given to every microbatch unchanged.
+
+    Args:
+        batch: what the DataLoader yielded.
+        num_microbatches: number of parts.
+        non_split_inputs: top-level entries of ``batch`` given whole (the same object) to every microbatch, as
+            SMP's ``@smp.step(non_split_inputs=...)``: keys of a dict batch, attribute names of a dataclass or
+            NamedTuple batch, integer positions of a tuple or list batch (NamedTuple: names or positions).
 
     Raises:
-        MicrobatchSplitError: if a tensor's dim 0 is not divisible by ``num_microbatches``.
+        MicrobatchSplitError: if a tensor's dim 0 is not divisible by ``num_microbatches``, a custom split raises
+            or returns another number of parts, or ``non_split_inputs`` names an entry the batch does not have.
         ValueError: if ``num_microbatches < 1``.
     """
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}.")
-    return [_take(batch, index, num_microbatches, path="batch") for index in range(num_microbatches)]
+    if isinstance(non_split_inputs, str):
+        non_split_inputs = (non_split_inputs,)
+    if non_split_inputs:
+        return _split_top_level(batch, num_microbatches, set(non_split_inputs))
+    return _split(batch, num_microbatches, path="batch")
 
 
-def _take(value: Any, index: int, parts: int, path: str) -> Any:
+def _split_top_level(batch: Any, parts: int, whole: set[str | int]) -> list[Any]:
+    """Split every top-level entry of ``batch`` except those in ``whole``, which every microbatch gets as is."""
+    entries = _top_level_entries(batch)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a NamedTuple entry by position or by name
+        whole = {batch._fields[k] if isinstance(k, int) and 0 <= k < len(batch) else k for k in whole}
+    missing = sorted(map(repr, whole - set(entries)))
+    if missing:
+        raise MicrobatchSplitError(
+            f"`non_split_inputs` names {', '.join(missing)}, but the batch ({type(batch).__name__}) has no such"
+            f" top-level entries; it has [{', '.join(sorted(map(repr, entries)))}]. Name dict keys, dataclass/NamedTuple fields"
+            " or tuple/list positions of the batch the DataLoader yields."
+        )
+    split = {key: [value] * parts if key in whole else _split(value, parts, path) for key, (path, value) in entries.items()}
+    return [_rebuild(batch, {key: values[index] for key, values in split.items()}) for index in range(parts)]
+
+
+def _top_level_entries(batch: Any) -> dict[str | int, tuple[str, Any]]:
+    """``{name: (path, value)}`` of what ``non_split_inputs`` can name."""
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return {f.name: (f"batch.{f.name}", getattr(batch, f.name)) for f in dataclasses.fields(batch) if f.init}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return {k: (f"batch.{k}", v) for k, v in zip(batch._fields, batch)}
+    if isinstance(batch, (list, tuple)):
+        return {i: (f"batch[{i}]", v) for i, v in enumerate(batch)}
+    if isinstance(batch, Mapping):
+        return {k: (f"batch[{k!r}]", v) for k, v in batch.items()}
+    raise MicrobatchSplitError(
+        f"`non_split_inputs` needs a batch with named or numbered entries (dict, dataclass, NamedTuple, tuple or"
+        f" list), but the batch is a {type(batch).__name__}. Return such a container from the DataLoader, or drop"
+        " `non_split_inputs`."
+    )
+
+
+def _rebuild(batch: Any, values: dict[str | int, Any]) -> Any:
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **values)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(values[name] for name in batch._fields))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(values[i] for i in range(len(batch)))
+    return type(batch)({k: values[k] for k in batch})
+
+
+def _split(value: Any, parts: int, path: str) -> list[Any]:
+    """``parts`` microbatches of ``value`` (``path`` says where it sits in the batch, for errors)."""
     if isinstance(value, torch.Tensor):
-        if value.dim() == 0:
-            return value
-        size = value.shape[0]
-        if size % parts != 0:
-            raise MicrobatchSplitError(
-                f"Cannot split {path} with shape {tuple(value.shape)} into {parts} microbatches: dim 0 ({size}) is"
-                f" not divisible by {parts}. Use a batch size that is a multiple of `microbatches={parts}` and"
-                " `drop_last=True` in the DataLoader so the last batch is not smaller."
-            )
-        step = size // parts
-        return value[index * step : (index + 1) * step]
+        return _split_tensor(value, parts, path)
+    if callable(getattr(type(value), "split_microbatches", None)):
+        return _split_custom(value, parts, path)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        changes = {
-            f.name: _take(getattr(value, f.name), index, parts, f"{path}.{f.name}")
-            for f in dataclasses.fields(value)
-            if f.init
-        }
-        return dataclasses.replace(value, **changes)
+        fields = [f.name for f in dataclasses.fields(value) if f.init]
+        split = {name: _split(getattr(value, name), parts, f"{path}.{name}") for name in fields}
+        return [dataclasses.replace(value, **{name: split[name][i] for name in fields}) for i in range(parts)]
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # NamedTuple
-        return type(value)(*(_take(v, index, parts, f"{path}.{k}") for k, v in zip(value._fields, value)))
+        split = [_split(v, parts, f"{path}.{k}") for k, v in zip(value._fields, value)]
+        return [type(value)(*(s[i] for s in split)) for i in range(parts)]
     if isinstance(value, (list, tuple)):
-        return type(value)(_take(v, index, parts, f"{path}[{i}]") for i, v in enumerate(value))
+        split = [_split(v, parts, f"{path}[{j}]") for j, v in enumerate(value)]
+        return [type(value)(s[i] for s in split) for i in range(parts)]
     if isinstance(value, Mapping):
-        return type(value)({k: _take(v, index, parts, f"{path}[{k!r}]") for k, v in value.items()})
-    return value
+        split = {k: _split(v, parts, f"{path}[{k!r}]") for k, v in value.items()}
+        return [type(value)({k: s[i] for k, s in split.items()}) for i in range(parts)]
+    return [value] * parts
+
+
+def _split_tensor(value: torch.Tensor, parts: int, path: str) -> list[torch.Tensor]:
+    if value.dim() == 0:
+        return [value] * parts
+    size = value.shape[0]
+    if size % parts != 0:
+        raise MicrobatchSplitError(
+            f"Cannot split {path} with shape {tuple(value.shape)} into {parts} microbatches: dim 0 ({size}) is"
+            f" not divisible by {parts}. Use a batch size that is a multiple of `microbatches={parts}` and"
+            " `drop_last=True` in the DataLoader so the last batch is not smaller; or, if every microbatch needs"
+            " this input whole (e.g. a lookup table), list its top-level entry in `non_split_inputs`."
+        )
+    return list(value.split(size // parts))
+
+
+def _split_custom(value: Any, parts: int, path: str) -> list[Any]:
+    """Split through the value's own ``split_microbatches`` (see [Note: custom microbatch split])."""
+    name = f"{type(value).__name__}.split_microbatches"
+    try:
+        result = value.split_microbatches(parts)
+    except Exception as err:
+        raise MicrobatchSplitError(
+            f"Cannot split {path} into {parts} microbatches: {name}({parts}) raised {type(err).__name__}: {err}."
+            f" Fix {name}, or list the batch entry in `non_split_inputs` to give it whole to every microbatch."
+        ) from err
+    count = len(result) if isinstance(result, Sequence) and not isinstance(result, (str, bytes)) else None
+    if count != parts:
+        got = f"{count} parts" if count is not None else f"a {type(result).__name__}"
+        raise MicrobatchSplitError(
+            f"Cannot split {path} into {parts} microbatches: {name}({parts}) returned {got}; it must return a"
+            f" sequence of exactly {parts} parts (part i goes to microbatch i)."
+        )
+    return list(result)
 
 
 def merge_microbatches(outputs: list[Any]) -> Any:
@@ -71,7 +167,8 @@ def merge_microbatches(outputs: list[Any]) -> Any:
     Tensors with dims are concatenated along dim 0; floating 0-dim tensors and floats are averaged (the mean
     over microbatches of a mean-reduced value equals the full-batch mean, as microbatches are equal-sized);
     integer 0-dim tensors and ints are summed (counts), unless all are equal (a constant); containers are merged
-    element-wise; other values are taken from the first microbatch if all are equal, else returned as a list.
+    element-wise; a value whose class defines ``merge_microbatches(parts)`` is merged by it (see [Note: custom
+    microbatch split]); other values are taken from the first microbatch if all are equal, else returned as a list.
 
     Raises:
         ValueError: if ``outputs`` is empty, some outputs are None and others not, or the microbatches returned
@@ -92,6 +189,9 @@ def merge_microbatches(outputs: list[Any]) -> Any:
             stacked = torch.stack([o.detach() for o in outputs])
             return stacked.mean(dim=0) if stacked.is_floating_point() else stacked.sum(dim=0)
         return torch.cat(outputs, dim=0)
+    merge = getattr(type(first), "merge_microbatches", None)
+    if callable(merge):  # see [Note: custom microbatch split]
+        return merge(list(outputs))
     if isinstance(first, (bool, str)):
         return first if all(o == first for o in outputs) else list(outputs)
     if isinstance(first, int):

@@ -158,7 +158,7 @@ def _trace_run(trainer: pl.Trainer, config: SMPConfig, to_device: Callable[[Any]
         if isinstance(example, dict):
             return lambda: module(**example)
         return lambda: module(*example) if isinstance(example, tuple) else module(example)
-    microbatch = split_microbatches(to_device(batch), config.microbatches)[0]
+    microbatch = split_microbatches(to_device(batch), config.microbatches, non_split_inputs=config.non_split_inputs)[0]
     step = getattr(module, _STEP_OF_FN.get(trainer.state.fn, "training_step"))
 
     def run() -> Any:

@@ -1,0 +1,501 @@
+"""Generality (issue 4): anything a Python forward does crosses stages and matches one process.
+
+Tier 1 (one process): ``split_microbatches`` with ``non_split_inputs``, custom splits, and their errors.
+
+Tier 2 (3 gloo processes, one spawn for every engine scenario, see :func:`pipelined`): each scenario trains a
+model split over pipeline stages for a few SGD steps with the engine directly (as tests/test_engine.py) and is
+compared with the same model, same seed, full batch on one process: per-step losses, every ``.grad`` of the
+first step and the updated parameters. Scenarios:
+
+- ``courier``: nested tuples/lists/dicts/dataclasses/NamedTuples, tensors with and without grad (int64, bool,
+  float64, empty, transposed, detached), Python scalars, strings, None and kwargs as arguments and as return
+  values; what arrives is compared with what left on both sides of the boundary.
+- ``varlen``: a different sequence length every step and every microbatch, microbatches of different sizes.
+- ``skip``: three stages: a long skip (stage 0's output consumed by stage 2), nested calls both ways, one module
+  called by two stages a data-dependent number of times per step, and an input passed through unchanged.
+
+Tier 2 with Lightning: ``non_split_inputs`` through ``Trainer.fit`` and ``trainer.predict`` order.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import os
+import traceback
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+import lightning_mp
+from lightning_mp import SMPConfig, SMPStrategy
+from lightning_mp.comm import Transport
+from lightning_mp.pipeline import MicrobatchSplitError, PipelineEngine, merge_microbatches, split_microbatches
+from tests._dist import run_distributed
+from tests.models import Courier, MLPStack, SkipNet, VarLen, expand_placement
+
+STEPS, LR = 3, 0.1
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+# ---- tier 1: splitting ------------------------------------------------------------------------------------------
+
+
+class Ragged:
+    """A custom batch value (flat values + per-row offsets) that knows how to split and merge itself."""
+
+    def __init__(self, values: torch.Tensor, offsets: list[int], parts: int | None = None) -> None:
+        self.values, self.offsets, self.parts = values, offsets, parts
+
+    @property
+    def rows(self) -> int:
+        return len(self.offsets) - 1
+
+    def split_microbatches(self, num_microbatches: int) -> list[Ragged]:
+        if self.parts is not None:  # a broken split, for the error tests
+            return [self] * self.parts
+        step = self.rows // num_microbatches
+        out = []
+        for i in range(num_microbatches):
+            lo, hi = self.offsets[i * step], self.offsets[(i + 1) * step]
+            out.append(Ragged(self.values[lo:hi], [o - lo for o in self.offsets[i * step : (i + 1) * step + 1]]))
+        return out
+
+    @staticmethod
+    def merge_microbatches(parts: list[Ragged]) -> Ragged:
+        offsets, base = [0], 0
+        for part in parts:
+            offsets += [base + o for o in part.offsets[1:]]
+            base += part.offsets[-1]
+        return Ragged(torch.cat([p.values for p in parts]), offsets)
+
+
+class Exploding:
+    def split_microbatches(self, num_microbatches: int):
+        raise RuntimeError("cannot split this")
+
+
+class Sample(NamedTuple):
+    x: torch.Tensor
+    table: torch.Tensor
+
+
+@dataclasses.dataclass
+class DataclassBatch:
+    x: torch.Tensor
+    table: torch.Tensor
+    ragged: Ragged | None = None
+
+
+def test_non_split_inputs_are_given_whole_to_every_microbatch():
+    """Dict keys, dataclass and NamedTuple field names, tuple positions; the rest is split along dim 0."""
+    x, table = torch.arange(8.0).reshape(8, 1), torch.randn(5, 3)  # 5 rows: not divisible by 4
+    batches = [
+        ({"x": x, "table": table, "n": 3}, ["table"], lambda b: (b["x"], b["table"])),
+        (DataclassBatch(x, table), ("table",), lambda b: (b.x, b.table)),
+        (Sample(x, table), {"table"}, lambda b: (b.x, b.table)),
+        (Sample(x, table), [1], lambda b: (b.x, b.table)),  # a NamedTuple position
+        ((x, table), [1], lambda b: (b[0], b[1])),
+        ([x, table], [1], lambda b: (b[0], b[1])),
+    ]
+    for batch, whole, get in batches:
+        parts = split_microbatches(batch, 4, non_split_inputs=whole)
+        assert [type(p) for p in parts] == [type(batch)] * 4
+        for index, part in enumerate(parts):
+            px, ptable = get(part)
+            assert ptable is table, "the same object, not a copy or a slice"
+            assert torch.equal(px, x[2 * index : 2 * index + 2])
+    assert split_microbatches({"x": x, "table": table, "n": 3}, 2, non_split_inputs=["table"])[1]["n"] == 3
+    with pytest.raises(MicrobatchSplitError, match=r"batch\['table'\] with shape \(5, 3\).*non_split_inputs"):
+        split_microbatches({"x": x, "table": table}, 4)
+
+
+def test_non_split_inputs_that_the_batch_lacks_are_a_clear_error():
+    with pytest.raises(MicrobatchSplitError, match=r"`non_split_inputs` names 'tabel'.*it has \['table', 'x'\]"):
+        split_microbatches({"x": torch.ones(4), "table": torch.ones(3)}, 2, non_split_inputs=["tabel"])
+    with pytest.raises(MicrobatchSplitError, match=r"names 2, but the batch \(tuple\)"):
+        split_microbatches((torch.ones(4), torch.ones(3)), 2, non_split_inputs=[2])
+    with pytest.raises(MicrobatchSplitError, match="needs a batch with named or numbered entries.*Tensor"):
+        split_microbatches(torch.ones(4), 2, non_split_inputs=["x"])
+
+
+def test_a_value_can_define_its_own_split_and_merge():
+    ragged = Ragged(torch.arange(10.0), [0, 1, 3, 6, 10])  # 4 rows of lengths 1, 2, 3, 4
+    parts = split_microbatches(DataclassBatch(torch.zeros(4, 2), torch.ones(3), ragged), 2, non_split_inputs=["table"])
+    assert [p.ragged.offsets for p in parts] == [[0, 1, 3], [0, 3, 7]]
+    assert torch.equal(parts[1].ragged.values, torch.arange(3.0, 10.0))
+    merged = merge_microbatches([{"r": p.ragged, "x": p.x} for p in parts])
+    assert isinstance(merged["r"], Ragged) and merged["r"].offsets == ragged.offsets
+    assert torch.equal(merged["r"].values, ragged.values) and merged["x"].shape == (4, 2)
+
+
+def test_an_unsplittable_custom_value_names_its_path_and_the_fix():
+    with pytest.raises(MicrobatchSplitError, match=r"batch\['inputs'\]\[1\] into 2.*Ragged.split_microbatches\(2\)"
+                       r" returned 3 parts; it must return a sequence of exactly 2"):
+        split_microbatches({"inputs": [torch.ones(2), Ragged(torch.ones(1), [0, 1], parts=3)]}, 2)
+    with pytest.raises(MicrobatchSplitError, match=r"batch.ragged into 2.*raised RuntimeError: cannot split this"
+                       r".*non_split_inputs") as info:
+        split_microbatches(DataclassBatch(torch.ones(2), torch.ones(2), Exploding()), 2)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    # given whole, an unsplittable value is fine
+    parts = split_microbatches(DataclassBatch(torch.ones(2), torch.ones(2), Exploding()), 2, non_split_inputs=["ragged"])
+    assert parts[0].ragged is parts[1].ragged
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        ("table", r"must be a tuple of .* got 'table'. For one entry pass \('table',\)"),
+        ((1.5,), r"entries must be str .* or int .* got \[1.5\]"),
+        ((True,), r"entries must be str .* got \[True\]"),
+        (("a", "a"), "names an entry twice"),
+    ],
+)
+def test_non_split_inputs_config_is_validated(value, match):
+    with pytest.raises(ValueError, match=match):
+        SMPConfig(non_split_inputs=value)
+    with pytest.raises(ValueError, match=match):
+        SMPStrategy(non_split_inputs=list(value) if isinstance(value, tuple) else value)
+    assert SMPStrategy(non_split_inputs=["table", 2]).config.non_split_inputs == ("table", 2)
+
+
+# ---- tier 2: the engine, every scenario in one 3-process run --------------------------------------------------
+
+
+def _equal_parts(num_microbatches: int) -> Callable[[Any, int], list]:
+    return lambda batch, step: split_microbatches(batch, num_microbatches)
+
+
+def _uneven_parts(batch: Any, step: int) -> list:
+    """Microbatches of different sizes (and so, after VarLen's crop, different lengths): 3+5, 2+2+4, 1+7."""
+    sizes = [[3, 5], [2, 2, 4], [1, 7]][step % 3]
+    return list(zip(*(t.split(sizes) for t in batch)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    model: type
+    placement: dict[str, int]
+    split: Callable[[Any, int], list]
+    per_row: bool = False  # the model's loss is a sum over rows: weight 1/rows, not 1/microbatches
+
+
+SCENARIOS = {
+    "courier": Scenario(Courier, {"relay": 1}, _equal_parts(4)),
+    "varlen": Scenario(VarLen, {"block": 1}, _uneven_parts, per_row=True),
+    "skip": Scenario(SkipNet, {"mid": 1, "shared": 2, "mid.shared": 2, "head": 2, "head.out": 1}, _equal_parts(2)),
+}
+RECORDS = ("sent", "received", "shapes_seen", "shared_calls")  # model attributes a scenario keeps per rank
+RELAY_RECORDS = ("arrived", "returned")
+
+
+def _rows(batch: Any) -> int:
+    return batch[0].shape[0]
+
+
+def _scale(scenario: Scenario, part: Any, batch: Any, parts: list) -> float:
+    return 1.0 / _rows(batch) if scenario.per_row else 1.0 / len(parts)
+
+
+def _records(model: torch.nn.Module) -> dict:
+    found = {name: getattr(model, name) for name in RECORDS if hasattr(model, name)}
+    relay = getattr(model, "relay", None)
+    if relay is not None and not hasattr(relay, "_smp_remote"):
+        found.update({name: getattr(relay, name) for name in RELAY_RECORDS})
+    return {k: list(v) if isinstance(v, list) else v for k, v in found.items()}
+
+
+def _clear_records(model: torch.nn.Module) -> None:
+    for owner in (model, getattr(model, "relay", None)):
+        for name in RECORDS + RELAY_RECORDS:
+            if isinstance(getattr(owner, name, None), list):
+                getattr(owner, name).clear()
+
+
+def _train_pipelined(engine: PipelineEngine, name: str, scenario: Scenario) -> dict:
+    torch.manual_seed(0)
+    cls = scenario.model
+    model = cls()
+    engine.install(model, expand_placement(model, scenario.placement))
+    local = list(model.parameters())  # empty on a stage the scenario does not use
+    optimizer = torch.optim.SGD(local or [torch.zeros(0, requires_grad=True)], lr=LR)
+    losses, grads = [], {}
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        with engine.session(f"{name}-train") as session:
+            if engine.is_driver:
+                batch = cls.batch(seed=step)
+                parts = scenario.split(batch, step)
+                scales = [_scale(scenario, part, batch, parts) for part in parts]
+                outputs = session.drive(
+                    lambda mb, i: cls.loss(model, mb) * scales[i], parts, loss_fn=lambda loss: loss, backward=True
+                )
+                loss = torch.stack([o.detach() for o in outputs]).sum()
+                session.finish(loss)
+            else:
+                loss = session.serve()
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        optimizer.step()
+        losses.append(loss.item())
+    result = {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    result["records"] = _records(model)
+    _clear_records(model)
+    with torch.no_grad(), engine.session(f"{name}-eval") as session:  # forward only: nothing requires grad anywhere
+        if engine.is_driver:
+            batch = cls.batch(seed=STEPS)
+            session.drive(lambda mb, i: cls.loss(model, mb), scenario.split(batch, 0), loss_fn=lambda l: None, backward=False)
+            session.finish(None)
+        else:
+            session.serve()
+    result["eval_records"] = _records(model)
+    return result
+
+
+def _all_scenarios(rank: int, world_size: int) -> dict[str, dict]:
+    transport = Transport(dist.new_group(list(range(world_size))), torch.device("cpu"))
+    results = {}
+    for name, scenario in SCENARIOS.items():
+        engine = PipelineEngine(transport, world_size, active_microbatches=3, timeout_s=60)
+        try:
+            results[name] = _train_pipelined(engine, name, scenario)
+        except Exception:  # noqa: BLE001 - reported by the scenario's test; the next scenarios still run
+            results[name] = {"error": traceback.format_exc()}
+    return results
+
+
+def _reference(scenario: Scenario) -> dict:
+    torch.manual_seed(0)
+    cls = scenario.model
+    model = cls()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, grads = [], {}
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        batch = cls.batch(seed=step)
+        loss = cls.loss(model, batch) / (_rows(batch) if scenario.per_row else 1)
+        loss.backward()
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        losses.append(loss.item())
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "grads": grads, "params": params, "records": _records(model)}
+
+
+@pytest.fixture(scope="module")
+def pipelined() -> list[dict[str, dict]]:
+    """Every scenario on 3 gloo processes, in one spawn (per rank: scenario name -> result)."""
+    return run_distributed(_all_scenarios, 3)
+
+
+def _check_against_reference(results: list[dict], reference: dict) -> None:
+    for rank, result in enumerate(results):
+        assert "error" not in result, f"rank {rank}:\n{result['error']}"
+    for result in results:
+        torch.testing.assert_close(result["losses"], reference["losses"], **TOL)
+        for name, value in result["params"].items():
+            torch.testing.assert_close(value, reference["params"][name], **TOL, msg=name)
+        for name, value in result["grads"].items():
+            torch.testing.assert_close(value, reference["grads"][name], **TOL, msg=name)
+    assert sorted(n for r in results for n in r["params"]) == sorted(reference["params"]), "each on one stage"
+    assert sorted(n for r in results for n in r["grads"]) == sorted(reference["grads"]), "every .grad, once"
+
+
+def _scenario(pipelined: list[dict[str, dict]], name: str) -> list[dict]:
+    return [per_rank[name] for per_rank in pipelined]
+
+
+def test_everything_a_forward_passes_crosses_stages_with_dtype_shape_and_grad_flags(pipelined):
+    """Arguments and return values of a remote call arrive as they left (structure, container types, dtype,
+    shape, requires_grad, Python values), and the gradients match one process: a detached value or an
+    integer mask sent across gets no gradient, an input passed back unchanged carries one."""
+    results = _scenario(pipelined, "courier")
+    _check_against_reference(results, _reference(SCENARIOS["courier"]))
+    caller, owner = results[0]["records"], results[1]["records"]
+    assert len(caller["sent"]) == len(owner["arrived"]) == STEPS * 4
+    assert sorted(caller["sent"]) == sorted(owner["arrived"]), "arguments arrive as they left"
+    assert sorted(owner["returned"]) == sorted(caller["received"]), "outputs arrive as they left"
+    received = _leaves(caller["received"][0])  # microbatch of 2 rows, dim 6
+    assert received["<dict>['h']"] == ("tensor", "torch.float32", (2, 6), True)
+    assert received["<dict>['passthrough']"] == ("tensor", "torch.float32", (2, 6), True), "input sent back"
+    assert received["<dict>['part']"] == ("tensor", "torch.float32", (2, 2), True), "part of an input"
+    assert received["<dict>['bias']"] == ("tensor", "torch.float32", (6,), True)
+    assert received["<dict>['stat']"] == ("tensor", "torch.float32", (2,), False), "detached: no grad"
+    assert received["<dict>['stat_in']"] == ("tensor", "torch.float32", (2,), False), "detached input sent back"
+    assert received["<dict>['mask']"] == ("tensor", "torch.int64", (2,), False)
+    assert received["<dict>['keep']<Meta>.keep"] == ("tensor", "torch.bool", (2,), False)
+    assert received["<dict>['keep']<Meta>.length"] == ("int", 4)
+    assert received["<dict>['info']<list>[2]"] == ("NoneType", None) and received["<dict>['info']<list>[1]"] == ("bool", True)
+    sent = _leaves(caller["sent"][0])
+    packet, extras, nested = "<tuple>[0]<tuple>[0]<Packet>", "<tuple>[0]<tuple>[1]<dict>", "<tuple>[0]<tuple>[2]<tuple>"
+    assert sent[f"{packet}.h"] == ("tensor", "torch.float32", (2, 6), True)
+    assert sent[f"{packet}.stat"] == ("tensor", "torch.float32", (2,), False)
+    assert sent[f"{extras}['temperature']"] == ("tensor", "torch.float32", (), False), "0-dim"
+    assert sent[f"{packet}.scale"] == ("float", 0.5) and sent[f"{packet}.tag"] == ("str", "mb")
+    assert sent[f"{extras}['wide']"] == ("tensor", "torch.float64", (2, 6), True)
+    assert sent[f"{extras}['empty']"] == ("tensor", "torch.float32", (0, 6), False)
+    assert sent[f"{nested}[0]<list>[1]"] == ("tensor", "torch.float32", (6, 2), True), "transposed"
+    assert sent[f"{nested}[0]<list>[2]"] == ("tensor", "torch.float32", (2, 6), False), "detached"
+    assert sent["<tuple>[1]<dict>['note']"] == ("NoneType", None)
+    evaluated = results[0]["eval_records"]["sent"] + results[0]["eval_records"]["received"]
+    evaluated += results[1]["eval_records"]["arrived"] + results[1]["eval_records"]["returned"]
+    assert len(evaluated) == 4 * 4, "a forward-only step under no_grad"
+    for text in evaluated:
+        assert all(leaf[-1] is False for leaf in _leaves(text).values() if leaf[0] == "tensor"), text
+    assert sorted(results[0]["eval_records"]["sent"]) == sorted(results[1]["eval_records"]["arrived"])
+    assert sorted(results[0]["eval_records"]["received"]) == sorted(results[1]["eval_records"]["returned"])
+
+
+def _leaves(described: str) -> dict[str, tuple]:
+    """A :func:`describe` repr as ``{path: (kind, ...)}``."""
+    return {path: tuple(rest) for path, *rest in ast.literal_eval(described)}
+
+
+def test_shapes_change_every_step_and_every_microbatch(pipelined):
+    results = _scenario(pipelined, "varlen")
+    _check_against_reference(results, _reference(SCENARIOS["varlen"]))
+    shapes = results[1]["records"]["shapes_seen"]
+    assert len(shapes) == 7, "2 + 3 + 2 microbatches ran on stage 1"
+    assert len({s[0] for s in shapes}) >= 4 and len({s[1] for s in shapes}) >= 3, shapes
+    assert results[0]["records"]["shapes_seen"] == [], "the block ran on its owner only"
+
+
+def test_three_stages_long_skip_shared_module_from_two_stages_and_data_dependent_calls(pipelined):
+    results = _scenario(pipelined, "skip")
+    reference = _reference(SCENARIOS["skip"])
+    _check_against_reference(results, reference)
+    calls = [r["records"]["shared_calls"] for r in results]
+    per_row_calls = reference["records"]["shared_calls"] - STEPS  # one process: one driver call per step
+    assert calls[0] == calls[1] == 0 and calls[2] == per_row_calls + STEPS * 2, "owner only; driver: per microbatch"
+    assert 0 < per_row_calls < STEPS * 8, "the data-dependent branch called stage 2 for some rows only"
+    assert [len(r["params"]) for r in results] == [2, 4, 4], "embed / mid.proj + head.out / shared + head.mix"
+
+
+# ---- tier 2 with Lightning: non_split_inputs and predict order ----------------------------------------------
+
+
+ROWS, BATCH, DIM, TABLE_ROWS = 24, 8, 8, 5
+
+
+def _table() -> torch.Tensor:
+    return torch.randn(TABLE_ROWS, DIM, generator=torch.Generator().manual_seed(7))
+
+
+def _collate_with_table(samples: list[dict]) -> dict:
+    batch = torch.utils.data.default_collate(samples)
+    batch["table"] = _table()  # (TABLE_ROWS, DIM): the same whole table for every microbatch
+    return batch
+
+
+class TableModule(L.LightningModule):
+    """Each row adds its entry of a lookup table that comes whole with every batch (5 rows: not splittable)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = MLPStack(dim=DIM, depth=4)
+
+    def _predict(self, batch: dict) -> torch.Tensor:
+        assert batch["table"].shape == (TABLE_ROWS, DIM), "the table arrives whole"
+        return self.net(batch["x"] + batch["table"][batch["row"]])
+
+    def training_step(self, batch, batch_idx):
+        loss = F.mse_loss(self._predict(batch), batch["y"])
+        self.log("train_loss", loss)
+        return loss
+
+    def predict_step(self, batch, batch_idx):
+        return {"index": batch["index"], "y": self._predict(batch)}
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+    def _loader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(8)
+        x, y = torch.randn(ROWS, DIM, generator=g), torch.randn(ROWS, generator=g)
+        rows = torch.randint(0, TABLE_ROWS, (ROWS,), generator=g)
+        samples = [{"index": i, "x": x[i], "row": rows[i], "y": y[i]} for i in range(ROWS)]
+        return DataLoader(samples, batch_size=BATCH, shuffle=False, collate_fn=_collate_with_table, drop_last=True)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader()
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader()
+
+
+class RecordTable(L.Callback):
+    """Per rank: each step's loss, the final local parameters, and what predict returned per batch."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self.losses: list[float] = []
+        self.predictions: list[dict] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+    def on_train_end(self, trainer, pl_module):
+        params = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+        torch.save({"losses": self.losses, "params": params}, os.path.join(self.out_dir, f"fit{trainer.global_rank}.pt"))
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.predictions.append(outputs)
+
+    def on_predict_end(self, trainer, pl_module):
+        torch.save(self.predictions, os.path.join(self.out_dir, f"pred{trainer.global_rank}.pt"))
+
+
+def _table_trainer(out_dir: str, strategy: Any = "auto", devices: int = 1) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=ROWS // BATCH, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[RecordTable(out_dir)], use_distributed_sampler=False,
+    )
+
+
+def test_non_split_inputs_through_the_trainer_and_predict_keeps_batch_order(tmp_path):
+    """pp=2, 4 microbatches, a dict batch whose ``table`` (5 rows) is given whole to every microbatch: the same
+    losses and parameters as one process; ``trainer.predict`` returns every row once, in dataset order."""
+    for name in ("ref", "smp"):
+        os.makedirs(tmp_path / name)
+    torch.manual_seed(0)
+    _table_trainer(str(tmp_path / "ref")).fit(TableModule())
+    reference = torch.load(tmp_path / "ref" / "fit0.pt")
+    reference_model = TableModule()
+    reference_model.load_state_dict(reference["params"])
+    expected = _table_trainer(str(tmp_path / "ref")).predict(reference_model)
+
+    def smp_trainer() -> L.Trainer:
+        strategy = lightning_mp.SMPStrategy(
+            pipeline_parallel_degree=2, microbatches=4, non_split_inputs=["table"], start_method="spawn"
+        )
+        return _table_trainer(str(tmp_path / "smp"), strategy, devices=2)
+
+    torch.manual_seed(0)
+    model = TableModule()
+    smp_trainer().fit(model)
+    fitted = [torch.load(tmp_path / "smp" / f"fit{rank}.pt") for rank in range(2)]
+    assert all(result["params"] for result in fitted), "both stages own parameters"
+    assert sorted(n for r in fitted for n in r["params"]) == sorted(reference["params"])
+    for result in fitted:
+        torch.testing.assert_close(result["losses"], reference["losses"], **TOL)
+        for name, value in result["params"].items():
+            torch.testing.assert_close(value, reference["params"][name], **TOL, msg=name)
+
+    trained = TableModule()
+    trained.load_state_dict({n: v for r in fitted for n, v in r["params"].items()})
+    smp_trainer().predict(trained, return_predictions=False)
+    for rank in range(2):
+        predictions = torch.load(tmp_path / "smp" / f"pred{rank}.pt")
+        assert len(predictions) == len(expected) == ROWS // BATCH
+        indices = torch.cat([p["index"] for p in predictions])
+        assert torch.equal(indices, torch.arange(ROWS)), "merged microbatches and batches in dataset order"
+        got = torch.cat([p["y"] for p in predictions])
+        torch.testing.assert_close(got, torch.cat([e["y"] for e in expected]), **TOL)
