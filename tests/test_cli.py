@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
 import shutil
@@ -28,7 +29,7 @@ def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
 
 def test_configs_exist():
     names = {path.name for path in CONFIGS}
-    assert {"gpt_pp2.yaml", "gpt_single.yaml"} <= names
+    assert {"gpt_pp2.yaml", "gpt_pp2_timeline.yaml", "gpt_single.yaml"} <= names
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[path.stem for path in CONFIGS])
@@ -72,6 +73,16 @@ def test_gpt_pp2_short_fit(tmp_path):
     assert len(list(tmp_path.rglob("partition.png"))) == 1, "the config's PartitionSummary drew the chart"
     checkpoints = list(tmp_path.rglob("*.ckpt"))
     assert checkpoints and (checkpoints[0] / "meta.pt").is_file()
+
+
+def test_gpt_pp2_timeline_config_writes_the_trace_and_prints_the_bubble(tmp_path):
+    result = _run(["fit", "--config", "configs/gpt_pp2_timeline.yaml", "--trainer.default_root_dir", str(tmp_path)])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "lightning_mp pipeline timeline, training step 3" in output and "mean bubble" in output
+    assert len(list(tmp_path.rglob("pipeline_timeline_step3.png"))) == 1
+    (trace_file,) = tmp_path.rglob("pipeline_timeline_step3.json")
+    assert {e["pid"] for e in json.loads(trace_file.read_text())["traceEvents"]} == {0, 1}
 
 
 def test_fit_then_validate_in_the_same_processes():
