@@ -25,12 +25,14 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callab
         dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, start_method: str = "spawn") -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return the results by rank.
 
-    ``fn`` must be a module-level function. An exception on any rank fails the call.
+    ``fn`` must be a module-level function. An exception on any rank fails the call. ``start_method="fork"``
+    starts much faster (the children do not import torch and Lightning again).
     """
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        mp.spawn(_worker, args=(world_size, init_file, tmp, fn, args), nprocs=world_size, join=True)
+        worker_args = (world_size, init_file, tmp, fn, args)
+        mp.start_processes(_worker, args=worker_args, nprocs=world_size, join=True, start_method=start_method)
         return [torch.load(os.path.join(tmp, f"{r}.pt"), weights_only=False) for r in range(world_size)]

@@ -195,6 +195,8 @@ class Relay(nn.Module):
             "stat": h.detach().pow(2).mean(-1),  # a new detached (per-row) statistic
             "stat_in": packet.stat,  # the detached input returned
             "bias": self.proj.bias * 1.0,  # depends on a parameter only
+            "weight": self.proj.weight,  # a parameter itself
+            "aux": h.pow(2).mean(),  # a 0-dim value that requires grad (e.g. an auxiliary loss)
             "info": [packet.tag + "!", packet.flag, packet.nothing, note, 2.5, len(extras["empty"])],
             "empty": extras["empty"],
         }
@@ -205,7 +207,7 @@ class Relay(nn.Module):
 class Courier(nn.Module):
     """Sends everything a Python forward can pass (nested containers, dataclass, NamedTuple, int/bool/detached
     tensors, a float64 one, an empty one, scalars, strings, None, kwargs) to ``relay`` and uses what comes back.
-    The caller records what it sent and what it received (:func:`describe`). (B, D) -> (B,)."""
+    The caller records what it sent and what it received (:func:`describe`). (B, D) -> (B,) and a 0-dim aux loss."""
 
     def __init__(self, dim: int = 6) -> None:
         super().__init__()
@@ -215,24 +217,26 @@ class Courier(nn.Module):
         self.sent: list = []
         self.received: list = []
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = torch.tanh(self.enc(x))  # (B, D)
         packet = Packet(h, mask, mask > 0, h.detach().abs().mean(-1), 0.5, 3, True, "mb")
         extras = {"wide": (h * 0.1).double(), "empty": torch.zeros(0, x.shape[1]), "temperature": torch.tensor(0.9)}
         nested = ([x, h.t(), x.detach()], Meta(x.shape[0], mask > 1))
-        kwargs = {"gain": 2.0, "note": None}
+        kwargs = {"gain": 2.0, "note": "n" * 5000}  # a pickle larger than the message header
         self.sent.append(repr(describe(((packet, extras, nested), kwargs))))
         got = self.relay(packet, extras, nested, **kwargs)
         self.received.append(repr(describe(got)))
         assert got["info"][0] == "mb!" and got["keep"].length == 4 and got["info"][5] == 0
         assert torch.equal(got["mask"], mask), "an integer tensor comes back unchanged"
         y = self.out(got["h"] + got["passthrough"] * got["stat"][:, None] + got["bias"]).squeeze(-1)  # (B,)
-        return y + got["part"].sum(-1) * 0.1 + got["stat_in"] * got["keep"].keep.float()
+        y = y + got["weight"].sum() * 0.01 + got["part"].sum(-1) * 0.1 + got["stat_in"] * got["keep"].keep.float()
+        return y, got["aux"]
 
     @staticmethod
     def loss(model: nn.Module, batch) -> torch.Tensor:
         x, mask, y = batch
-        return F.mse_loss(model(x, mask), y)
+        prediction, aux = model(x, mask)
+        return F.mse_loss(prediction, y) + 0.1 * aux  # aux: a mean over rows, like the loss
 
     @staticmethod
     def batch(n: int = 8, dim: int = 6, seed: int = 4):

@@ -291,8 +291,11 @@ def _reference(scenario: Scenario) -> dict:
 
 @pytest.fixture(scope="module")
 def pipelined() -> list[dict[str, dict]]:
-    """Every scenario on 3 gloo processes, in one spawn (per rank: scenario name -> result)."""
-    return run_distributed(_all_scenarios, 3)
+    """Every scenario on 3 gloo processes, started once (per rank: scenario name -> result).
+
+    Forked, not spawned: the children do not import Lightning again (about 3 s instead of 20 s on 2 cores).
+    """
+    return run_distributed(_all_scenarios, 3, start_method="fork")
 
 
 def _check_against_reference(results: list[dict], reference: dict) -> None:
@@ -327,6 +330,8 @@ def test_everything_a_forward_passes_crosses_stages_with_dtype_shape_and_grad_fl
     assert received["<dict>['passthrough']"] == ("tensor", "torch.float32", (2, 6), True), "input sent back"
     assert received["<dict>['part']"] == ("tensor", "torch.float32", (2, 2), True), "part of an input"
     assert received["<dict>['bias']"] == ("tensor", "torch.float32", (6,), True)
+    assert received["<dict>['weight']"] == ("tensor", "torch.float32", (6, 6), True), "a parameter"
+    assert received["<dict>['aux']"] == ("tensor", "torch.float32", (), True), "0-dim with grad"
     assert received["<dict>['stat']"] == ("tensor", "torch.float32", (2,), False), "detached: no grad"
     assert received["<dict>['stat_in']"] == ("tensor", "torch.float32", (2,), False), "detached input sent back"
     assert received["<dict>['mask']"] == ("tensor", "torch.int64", (2,), False)
@@ -343,14 +348,16 @@ def test_everything_a_forward_passes_crosses_stages_with_dtype_shape_and_grad_fl
     assert sent[f"{extras}['empty']"] == ("tensor", "torch.float32", (0, 6), False)
     assert sent[f"{nested}[0]<list>[1]"] == ("tensor", "torch.float32", (6, 2), True), "transposed"
     assert sent[f"{nested}[0]<list>[2]"] == ("tensor", "torch.float32", (2, 6), False), "detached"
-    assert sent["<tuple>[1]<dict>['note']"] == ("NoneType", None)
+    assert sent["<tuple>[1]<dict>['note']"] == ("str", "n" * 5000)
     evaluated = results[0]["eval_records"]["sent"] + results[0]["eval_records"]["received"]
     evaluated += results[1]["eval_records"]["arrived"] + results[1]["eval_records"]["returned"]
     assert len(evaluated) == 4 * 4, "a forward-only step under no_grad"
-    for text in evaluated:
-        assert all(leaf[-1] is False for leaf in _leaves(text).values() if leaf[0] == "tensor"), text
+    for text in evaluated:  # (the owner returns a Parameter, which requires grad even under no_grad)
+        leaves = _leaves(text)
+        assert all(leaf[-1] is False for path, leaf in leaves.items() if leaf[0] == "tensor" and path != "<dict>['weight']")
     assert sorted(results[0]["eval_records"]["sent"]) == sorted(results[1]["eval_records"]["arrived"])
-    assert sorted(results[0]["eval_records"]["received"]) == sorted(results[1]["eval_records"]["returned"])
+    for text in results[0]["eval_records"]["received"]:  # no graph to connect under no_grad: a plain tensor
+        assert _leaves(text)["<dict>['weight']"] == ("tensor", "torch.float32", (6, 6), False)
 
 
 def _leaves(described: str) -> dict[str, tuple]:
@@ -473,8 +480,9 @@ def test_non_split_inputs_through_the_trainer_and_predict_keeps_batch_order(tmp_
     expected = _table_trainer(str(tmp_path / "ref")).predict(reference_model)
 
     def smp_trainer() -> L.Trainer:
+        # fork: the children do not import Lightning again (about 7 s for both runs instead of 23 s with spawn)
         strategy = lightning_mp.SMPStrategy(
-            pipeline_parallel_degree=2, microbatches=4, non_split_inputs=["table"], start_method="spawn"
+            pipeline_parallel_degree=2, microbatches=4, non_split_inputs=["table"], start_method="fork"
         )
         return _table_trainer(str(tmp_path / "smp"), strategy, devices=2)
 
