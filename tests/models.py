@@ -340,3 +340,44 @@ class SkipHead(nn.Module):
     def forward(self, h0, h1, h2, skip) -> torch.Tensor:
         h = torch.tanh(self.mix(torch.cat([h0, h1, h2, skip], dim=-1)))
         return self.out(h).squeeze(-1) + h0.sum(-1) * 0.1
+
+
+class Edges(nn.Module):
+    """Corner cases of a call chain 0 -> 1 -> 2 (``outer`` on stage 1, ``outer.inner`` on stage 2): stage 0 passes
+    its own parameter as an argument; stage 1 returns its stage-2 child's output as is, the same tensor twice,
+    integer indices (no grad), an output the loss never uses and None. (B, D) -> (B,)."""
+
+    def __init__(self, dim: int = 6) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.linspace(-0.1, 0.1, dim))
+        self.enc = nn.Linear(dim, dim)
+        self.outer = EdgeOuter(dim)
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.enc(x)  # (B, D)
+        b, again, idx, unused, nothing = self.outer(h, self.pos)
+        assert b is again and nothing is None, "one tensor sent twice arrives as one"
+        assert idx.dtype == torch.int64 and not idx.requires_grad and unused.requires_grad == torch.is_grad_enabled()
+        return self.head(b + again * 0.5).squeeze(-1) + idx.float() * 0.01
+
+    @staticmethod
+    def loss(model: nn.Module, batch) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(model(x), y)
+
+    @staticmethod
+    def batch(n: int = 8, dim: int = 6, seed: int = 9):
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(n, dim, generator=g), torch.randn(n, generator=g)
+
+
+class EdgeOuter(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.inner = nn.Linear(dim, dim)
+
+    def forward(self, h: torch.Tensor, pos: torch.Tensor):
+        b = self.inner(torch.tanh(self.proj(h + pos)))  # a remote output, returned unchanged below
+        return b, b, b.argmax(-1), self.proj(b) * 2, None

@@ -38,7 +38,7 @@ from lightning_mp import SMPConfig, SMPStrategy
 from lightning_mp.comm import Transport
 from lightning_mp.pipeline import MicrobatchSplitError, PipelineEngine, merge_microbatches, split_microbatches
 from tests._dist import run_distributed
-from tests.models import Courier, MLPStack, SkipNet, VarLen, expand_placement
+from tests.models import Courier, Edges, MLPStack, SkipNet, VarLen, expand_placement
 
 STEPS, LR = 3, 0.1
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -190,6 +190,7 @@ SCENARIOS = {
     "courier": Scenario(Courier, {"relay": 1}, _equal_parts(4)),
     "varlen": Scenario(VarLen, {"block": 1}, _uneven_parts, per_row=True),
     "skip": Scenario(SkipNet, {"mid": 1, "shared": 2, "mid.shared": 2, "head": 2, "head.out": 1}, _equal_parts(2)),
+    "edges": Scenario(Edges, {"outer": 1, "outer.inner": 2}, _equal_parts(4)),
 }
 RECORDS = ("sent", "received", "shapes_seen", "shared_calls")  # model attributes a scenario keeps per rank
 RELAY_RECORDS = ("arrived", "returned")
@@ -383,6 +384,14 @@ def test_three_stages_long_skip_shared_module_from_two_stages_and_data_dependent
     assert calls[0] == calls[1] == 0 and calls[2] == per_row_calls + STEPS * 2, "owner only; driver: per microbatch"
     assert 0 < per_row_calls < STEPS * 8, "the data-dependent branch called stage 2 for some rows only"
     assert [len(r["params"]) for r in results] == [2, 4, 4], "embed / mid.proj + head.out / shared + head.mix"
+
+
+def test_parameter_as_argument_remote_output_returned_as_is_and_unused_outputs(pipelined):
+    """Stage 0's own parameter as an argument of a remote call, a stage-2 output returned by stage 1 unchanged
+    (twice), integer outputs and an output the loss never uses: gradients as on one process."""
+    results = _scenario(pipelined, "edges")
+    _check_against_reference(results, _reference(SCENARIOS["edges"]))
+    assert "pos" in results[0]["grads"] and "outer.inner.weight" in results[2]["grads"]
 
 
 # ---- tier 2 with Lightning: non_split_inputs and predict order ----------------------------------------------
