@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -24,7 +25,18 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_mp.pipeline._timeline import TimelineEvent
 
-__all__ = ["BubbleReport", "PipelineTimeline", "RankTimeline", "chrome_trace", "gpipe_bubble", "measure_bubble"]
+if TYPE_CHECKING:
+    from lightning_mp.pipeline._engine import PipelineEngine
+
+__all__ = [
+    "BubbleReport",
+    "PipelineTimeline",
+    "RankTimeline",
+    "chrome_trace",
+    "gantt_chart",
+    "gpipe_bubble",
+    "measure_bubble",
+]
 
 _COMPUTE = ("forward", "backward")
 
@@ -154,7 +166,7 @@ def _process_events(timeline: RankTimeline) -> list[dict]:
     return out
 
 
-def format_bubble(report: BubbleReport, timelines: Sequence[RankTimeline], step: int) -> str:
+def _format_bubble(report: BubbleReport, timelines: Sequence[RankTimeline], step: int) -> str:
     """A per-rank table of busy time and bubble fraction, the mean, and GPipe's figure for the same p and m."""
     stages = {t.rank: t.stage for t in timelines}
     rows = [
@@ -276,7 +288,8 @@ class PipelineTimeline(Callback):
                 " Choose steps below `max_steps`."
             )
 
-    def _engine(self, trainer: Trainer):  # -> PipelineEngine | None
+    def _engine(self, trainer: Trainer) -> PipelineEngine | None:
+        """This rank's engine when there is a pipeline; else ``None``, after one warning on rank 0."""
         engine = getattr(trainer.strategy, "pipeline_engine", None)
         if engine is not None and engine.num_stages > 1:
             return engine
@@ -294,7 +307,7 @@ class PipelineTimeline(Callback):
             return
         report = measure_bubble(timelines)
         self.reports[step] = report
-        rank_zero_info(format_bubble(report, timelines, step))
+        rank_zero_info(_format_bubble(report, timelines, step))
         os.makedirs(out_dir, exist_ok=True)
         stem = os.path.join(out_dir, f"{self.filename}_step{step}")
         with open(f"{stem}.json", "w") as file:
