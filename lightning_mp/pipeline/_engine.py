@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from lightning_mp.comm import Message, Transport, connect_remote_outputs, pack
-from lightning_mp.pipeline._scheduler import ComputeToken, Priority
+from lightning_mp.pipeline._scheduler import ComputeToken, GrantOrder, Priority
 from lightning_mp.pipeline._timeline import TimelineRecorder
 
 __all__ = ["PipelineEngine", "PipelineError", "PipelineSession"]
@@ -65,6 +65,7 @@ class _Task:
     microbatch: int
     phase: int
     label: str = "step"  # module FQN of a served request, "step" for the driver's microbatch code
+    ident: tuple = ()  # rank-independent name: ("mb", microbatch, phase) or ("call", call_id, kind)
 
     @property
     def priority(self) -> Priority:
@@ -127,7 +128,8 @@ class _RemoteBackward:
     fqn: str
 
     def run_backward(self, grad_outputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        task = _Task(self.microbatch, _BACKWARD)
+        # Autograd runs CPU backward in the thread that called backward(), which holds the token as its task.
+        task = _current_task() or _Task(self.microbatch, _BACKWARD)
         envelope = self.session.envelope("bwd", self.call_id, (self.fqn, grad_outputs), self.microbatch)
         reply = self.session.exchange(self.stage, envelope, task, f"backward of {self.fqn!r}")
         return list(reply.obj.body)
@@ -145,6 +147,9 @@ class PipelineEngine:
         timeout_s: seconds to wait for any reply before raising :class:`PipelineError`.
         forward_context: a context manager factory wrapping every served forward request (e.g. autocast).
         global_ranks: global rank of each stage, for error messages.
+        order_transport: messages over the ranks that must run this stage's tasks in one order (the same stage of
+            every data-parallel replica and tensor-parallel rank); its group rank 0 leads. ``None`` or a group of
+            one: this rank orders its tasks alone. See [Note: deterministic order] in ``_scheduler.py``.
     """
 
     def __init__(
@@ -157,8 +162,10 @@ class PipelineEngine:
         timeout_s: float = 1800.0,
         forward_context: Callable[[], AbstractContextManager] = nullcontext,
         global_ranks: Sequence[int] | None = None,
+        order_transport: Transport | None = None,
     ) -> None:
         self.transport = transport
+        self.order_transport = order_transport if order_transport is not None and order_transport.size > 1 else None
         self.stage = transport.rank
         self.num_stages = num_stages
         self.schedule = schedule
@@ -216,6 +223,9 @@ class PipelineEngine:
         for fqn, module in modules:
             if self._stage_of[fqn] != self.stage and first_name[id(module)] == fqn:
                 _release_and_stub(module, fqn, self._stage_of[fqn], self)
+        for fqn, module in modules:
+            if self._stage_of[fqn] == self.stage and first_name[id(module)] == fqn:
+                _batch_sequential_runs(module, fqn, stage_of, stateful, self)
 
     def stage_of(self, fqn: str) -> int:
         return self._stage_of[fqn]
@@ -245,8 +255,12 @@ class PipelineEngine:
             self._session = None
             session.close()
 
-    def call_remote(self, fqn: str, stage: int, args: tuple, kwargs: dict) -> Any:
-        """Run module ``fqn`` on ``stage`` with ``args``/``kwargs``; the stub of every remote module calls this."""
+    def call_remote(self, fqn: str, stage: int, args: tuple, kwargs: dict, span: tuple[int, int] | None = None) -> Any:
+        """Run module ``fqn`` on ``stage`` with ``args``/``kwargs``; the stub of every remote module calls this.
+
+        With ``span=(start, stop)``, ``fqn`` is an ``nn.Sequential`` and the owner runs its children
+        ``start .. stop-1`` one after the other on ``args[0]`` (see [Note: sequential runs]).
+        """
         session, task = self._session, _current_task()
         if session is None or task is None:
             raise RuntimeError(
@@ -256,15 +270,70 @@ class PipelineEngine:
             )
         grad_enabled = torch.is_grad_enabled()
         call_id = (self.stage, next(self._call_ids))
-        envelope = session.envelope("fwd", call_id, (fqn, args, kwargs, grad_enabled), task.microbatch)
+        envelope = session.envelope("fwd", call_id, (fqn, args, kwargs, grad_enabled, span), task.microbatch)
         packed = pack(envelope)
         grad_inputs = [t for t in packed.tensors if t.requires_grad] if grad_enabled else []
         reply = session.exchange(stage, packed, task, f"forward of {fqn!r}", call_id=call_id)
         outputs = [t for t, rg in zip(reply.tensors, reply.requires_grad) if rg and _differentiable(t)]
         if grad_enabled and outputs:
-            handle = _RemoteBackward(session, stage, call_id, task.microbatch, fqn)
+            handle = _RemoteBackward(session, stage, call_id, task.microbatch, _label(fqn, span))
             connect_remote_outputs(handle, grad_inputs, outputs)
         return reply.obj.body
+
+
+def _label(fqn: str, span: tuple[int, int] | None) -> str:
+    return fqn if span is None else f"{fqn}[{span[0]}:{span[1]}]"
+
+
+# [Note: sequential runs] A Python loop over children (``for block in self.h: x = block(x)``) makes one round trip
+# per remote child, as the loop runs on the parent's stage. ``nn.Sequential.forward`` is such a loop that we can
+# see: when the children of a Sequential span stages, its forward is replaced (on its owner only) by one that
+# sends each maximal run of consecutive children living on one other stage as a single request, so stage 0
+# calling blocks 3..5 on stage 1 costs one round trip forward and one backward per microbatch, as in a
+# static pipeline. Children without parameters join the run before them (they run wherever they are called).
+# A subclass that overrides ``forward`` keeps its own forward.
+
+
+def _sequential_runs(module: nn.Sequential, fqn: str, stage_of: Mapping[str, int], stateful: set[int]) -> list[tuple[int, int, int]]:
+    """``[(stage, start, stop), ...]`` covering the children of ``module`` in order; stateless children join a run."""
+    names = list(module._modules)
+    stages: list[int | None] = []
+    for name in names:
+        child = module._modules[name]
+        stages.append(stage_of[f"{fqn}.{name}" if fqn else name] if child is not None and id(child) in stateful else None)
+    current = next((st for st in stages if st is not None), stage_of[fqn])
+    runs: list[tuple[int, int, int]] = []
+    for index, stage in enumerate(stages):
+        stage = current if stage is None else stage
+        if runs and runs[-1][0] == stage:
+            runs[-1] = (stage, runs[-1][1], index + 1)
+        else:
+            runs.append((stage, index, index + 1))
+        current = stage
+    return runs
+
+
+def _batch_sequential_runs(
+    module: nn.Module, fqn: str, stage_of: Mapping[str, int], stateful: set[int], engine: PipelineEngine
+) -> None:
+    """Make a local ``nn.Sequential`` whose children span stages send each remote run as one request."""
+    if not isinstance(module, nn.Sequential) or type(module).forward is not nn.Sequential.forward:
+        return
+    runs = _sequential_runs(module, fqn, stage_of, stateful)
+    if all(stage == engine.stage for stage, _, _ in runs):
+        return
+    children = list(module)
+
+    def forward(self: nn.Sequential, input: Any) -> Any:
+        for stage, start, stop in runs:
+            if stage == engine.stage:
+                for child in children[start:stop]:
+                    input = child(input)
+            else:
+                input = engine.call_remote(fqn, stage, (input,), {}, span=(start, stop))
+        return input
+
+    module.forward = MethodType(forward, module)
 
 
 def _differentiable(tensor: torch.Tensor) -> bool:
@@ -309,6 +378,11 @@ class PipelineSession:
         self.timeline = engine.timeline
         if self.timeline.enabled:
             self.token.on_release = self._record_compute
+        self._order = engine.order_transport
+        self._grants: dict[tuple, int] = {}
+        if self._order is not None:
+            publish = self._publish_grant if self._order.rank == 0 else None
+            self.token.order = GrantOrder(publish=publish, timeout_s=engine.timeout_s)
         self._lock = threading.Lock()
         self._futures: dict[tuple[int, int], _Future] = {}
         self._saved: dict[tuple[int, int], _SavedCall] = {}
@@ -323,6 +397,34 @@ class PipelineSession:
     def envelope(self, kind: str, call_id: tuple[int, int] | None = None, body: Any = None, microbatch: int = 0) -> _Envelope:
         """A message of this step."""
         return _Envelope(kind, self.step, call_id, body, microbatch)
+
+    def grant_key(self, task: _Task) -> tuple | None:
+        """The rank-independent name of ``task``'s next grant of the compute token (None when unordered)."""
+        if self._order is None:
+            return None
+        with self._lock:
+            count = self._grants[task.ident] = self._grants.get(task.ident, 0) + 1
+        return (task.ident, count)
+
+    def _publish_grant(self, key: tuple) -> None:
+        for follower in range(1, self._order.size):
+            self._order.send(("grant", self.step, key), follower)
+
+    def _order_loop(self) -> None:
+        """Follower: feed the leader's grants to the compute token until the leader closes the step."""
+        while True:
+            try:
+                kind, step, key = self._order.recv(0).obj
+            except Exception as err:
+                self.fail(PipelineError(f"Lost contact with the order leader of this stage: {err}"))
+                return
+            if step != self.step:
+                self.fail(PipelineError(f"The order leader runs {step!r} while this rank runs {self.step!r}."))
+                return
+            if kind == "close":
+                self.token.leader_done()
+                return
+            self.token.decide(key)
 
     def _record_compute(self, since: float) -> None:
         task = _current_task()
@@ -339,6 +441,10 @@ class PipelineSession:
     def start(self) -> None:
         for peer in self.peers:
             thread = threading.Thread(target=self._receive_loop, args=(peer,), daemon=True, name=f"smp-recv-{peer}")
+            thread.start()
+            self._receivers.append(thread)
+        if self._order is not None and self._order.rank != 0:
+            thread = threading.Thread(target=self._order_loop, daemon=True, name="smp-order")
             thread.start()
             self._receivers.append(thread)
 
@@ -367,6 +473,12 @@ class PipelineSession:
             worker.join(self.engine.timeout_s if self._error is None else _POLL_S)
         for peer in self.peers:
             self._send_quietly(self.envelope("close"), peer)
+        if self._order is not None and self._order.rank == 0:
+            for follower in range(1, self._order.size):
+                try:
+                    self._order.send(("close", self.step, None), follower)
+                except Exception:  # the follower may be gone; its own session fails on its own
+                    pass
         for receiver in self._receivers:
             receiver.join(self.engine.timeout_s if self._error is None else _POLL_S)
 
@@ -402,7 +514,8 @@ class PipelineSession:
 
         def run(index: int, forwards_done: _WaveBarrier | None) -> None:
             with torch.inference_mode(inference), torch.set_grad_enabled(grad_enabled):
-                with _as_task(_Task(index, _FORWARD)), self.token.hold((_FORWARD, index)):
+                task = _Task(index, _FORWARD, ident=("mb", index, _FORWARD))
+                with _as_task(task), self.token.hold(task.priority, self.grant_key(task)):
                     outputs[index] = step_fn(microbatches[index], index)
                 if not backward:
                     return
@@ -411,7 +524,8 @@ class PipelineSession:
                     forwards_done.arrive_and_wait()
                     self.raise_if_failed()
                 if loss is not None:
-                    with _as_task(_Task(index, _BACKWARD)), self.token.hold((_BACKWARD, index)):
+                    task = _Task(index, _BACKWARD, ident=("mb", index, _BACKWARD))
+                    with _as_task(task), self.token.hold(task.priority, self.grant_key(task)):
                         loss.backward()
 
         if not self.peers:  # one stage: nothing to overlap, run inline
@@ -509,9 +623,10 @@ class PipelineSession:
         envelope: _Envelope = message.obj
         phase = _FORWARD if envelope.kind == "fwd" else _BACKWARD
         fqn = envelope.body[0]
-        task = _Task(envelope.microbatch, phase, fqn)
+        label = _label(fqn, envelope.body[-1] if phase == _FORWARD else None)
+        task = _Task(envelope.microbatch, phase, label, ident=("call", envelope.call_id, envelope.kind))
         try:
-            with _as_task(task), self.token.hold(task.priority):
+            with _as_task(task), self.token.hold(task.priority, self.grant_key(task)):
                 if envelope.kind == "fwd":
                     reply = self._run_forward(envelope, message)
                 else:
@@ -523,17 +638,22 @@ class PipelineSession:
         self._send_quietly(reply, peer, envelope.microbatch)
 
     def _run_forward(self, envelope: _Envelope, message: Message) -> _Envelope:
-        fqn, args, kwargs, grad_enabled = envelope.body
+        fqn, args, kwargs, grad_enabled, span = envelope.body
         leaves = []
         if grad_enabled:
             for tensor, requires_grad in zip(message.tensors, message.requires_grad):
                 if requires_grad:
                     leaves.append(tensor.requires_grad_(True))
         module = self.engine._modules[fqn]
-        if self.engine.stage_of(fqn) != self.engine.stage:
+        if span is None and self.engine.stage_of(fqn) != self.engine.stage:
             raise PipelineError(f"Module {fqn!r} was requested from stage {self.engine.stage} but lives elsewhere.")
         with torch.set_grad_enabled(grad_enabled), self.engine.forward_context():
-            output = module(*args, **kwargs)
+            if span is None:
+                output = module(*args, **kwargs)
+            else:
+                (output,) = args
+                for child in list(module)[span[0] : span[1]]:
+                    output = child(output)
         reply = pack(self.envelope("reply", envelope.call_id, output))
         if grad_enabled:
             outputs = [t for t in reply.tensors if t.requires_grad and _differentiable(t)]
@@ -562,7 +682,7 @@ class PipelineSession:
         future = _Future()
         with self._lock:
             self._futures[call_id] = future
-        with self.token.paused(task.priority):
+        with self.token.paused(task.priority, self.grant_key(task)):
             self.send(request, stage, task.microbatch)
             message: Message = future.wait(
                 self.engine.timeout_s, self.raise_if_failed, f"{what} on {self.engine.describe_stage(stage)}"

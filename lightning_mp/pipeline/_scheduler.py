@@ -7,20 +7,51 @@ behaves like SMP's execution server (paper section 3.2): it switches to another 
 current one pauses on communication, never oversubscribes its cores, and runs tasks in an order set by
 priorities, not by thread timing. Priorities are ``(phase, microbatch, arrival)``: with the "interleaved"
 schedule backward work (phase 0) beats forward work (phase 1), then lower microbatches first.
+
+[Note: deterministic order] Priorities alone still let arrival times decide between tasks that become ready
+at different moments. Ranks that must execute module calls in the same order (one tensor-parallel group, or the
+same stage of several data-parallel replicas whose modules enter collectives together) share one order: a
+*leader* grants by priority as above and publishes the key of every grant; the *followers* grant exactly the
+task with that key next, waiting for it to arrive if needed. A key names a task independently of the rank
+(``("mb", microbatch, phase)`` or ``("call", call_id, kind)``, plus how many times that task took the token),
+so it matches across ranks as long as they make the same calls. A follower that waits longer than the timeout
+for a key that never comes raises (the ranks' control flow diverged).
 """
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 
-__all__ = ["ComputeToken", "Priority"]
+__all__ = ["ComputeToken", "GrantOrder", "OrderDivergedError", "Priority"]
 
 Priority = tuple[int, ...]
+
+
+class OrderDivergedError(RuntimeError):
+    """A follower was told to run a task that never arrived on it (see [Note: deterministic order])."""
+
+
+class GrantOrder:
+    """How a :class:`ComputeToken` orders its grants: as the leader (publishing) or as a follower.
+
+    Args:
+        publish: leader only: called by the granted thread with the grant's key, before it computes.
+        timeout_s: follower only: how long to wait for the task the leader ran next before raising.
+    """
+
+    def __init__(self, *, publish: Callable[[Hashable], None] | None, timeout_s: float) -> None:
+        self.publish = publish
+        self.timeout_s = timeout_s
+
+    @property
+    def is_leader(self) -> bool:
+        return self.publish is not None
 
 
 class ComputeToken:
@@ -44,25 +75,91 @@ class ComputeToken:
         self._poll_s = poll_s
         self._since = 0.0
         self.on_release: Callable[[float], None] | None = None
+        self.order: GrantOrder | None = None
+        self._decided: collections.deque[Hashable] = collections.deque()
+        self._head_since: float | None = None
+        self._leader_done = False
 
-    def acquire(self, priority: Priority) -> None:
-        """Block until this thread holds the token."""
+    def leader_done(self) -> None:
+        """Follower: the leader finished its step; a task still waiting here was never run there."""
+        with self._cv:
+            self._leader_done = True
+            self._cv.notify_all()
+
+    def decide(self, key: Hashable) -> None:
+        """Follower: the leader granted ``key``; grant the same task next here."""
+        with self._cv:
+            self._decided.append(key)
+            self._cv.notify_all()
+
+    def _may_take(self, entry: tuple) -> bool:
+        if self._holder is not None:
+            return False
+        if self.order is None or self.order.is_leader:
+            return self._queue[0] is entry
+        return bool(self._decided) and self._decided[0] == entry[3]
+
+    def _check_follower_stalled(self) -> None:
+        """Raise if the leader's next task has not arrived here within the timeout."""
+        if self.order is None or self.order.is_leader:
+            return
+        if not self._decided:
+            self._head_since = None
+            if self._leader_done and self._queue:
+                raise OrderDivergedError(
+                    f"This rank has task {self._queue[0][3]!r} to run, but the order leader finished the step"
+                    " without it. Ranks that share an execution order must make the same module calls."
+                )
+            return
+        head = self._decided[0]
+        if any(entry[3] == head for entry in self._queue):
+            self._head_since = None
+            return
+        now = time.monotonic()
+        if self._head_since is None:
+            self._head_since = now
+        elif now - self._head_since > self.order.timeout_s:
+            raise OrderDivergedError(
+                f"The order leader ran task {head!r} next, but it did not arrive on this rank within"
+                f" {self.order.timeout_s:.0f} s. Ranks that share an execution order (one tensor-parallel group, or"
+                " one stage of several data-parallel replicas with `deterministic_order=True`) must make the same"
+                " module calls; data-dependent control flow that differs between them cannot be ordered."
+            )
+
+    def acquire(self, priority: Priority, key: Hashable = None) -> None:
+        """Block until this thread holds the token.
+
+        Args:
+            priority: smaller goes first (leader or unordered token).
+            key: this grant's rank-independent name; required when :attr:`order` is set.
+
+        Raises:
+            OrderDivergedError: follower only, see :class:`GrantOrder`.
+        """
         me = threading.get_ident()
-        entry = (priority, next(self._arrival), me)
+        entry = (priority, next(self._arrival), me, key)
         with self._cv:
             heapq.heappush(self._queue, entry)
             try:
-                while self._holder is not None or self._queue[0] is not entry:
+                while not self._may_take(entry):
                     self._cv.wait(self._poll_s)
                     self._check_failed()
+                    self._check_follower_stalled()
             except BaseException:
                 self._queue.remove(entry)
                 heapq.heapify(self._queue)
                 self._cv.notify_all()
                 raise
-            heapq.heappop(self._queue)
+            self._queue.remove(entry)
+            heapq.heapify(self._queue)
+            if self.order is not None and not self.order.is_leader:
+                self._decided.popleft()
+                self._head_since = None
+                self._cv.notify_all()  # the next decided task may already be waiting
             self._holder = me
             self._since = time.perf_counter()
+        if self.order is not None and self.order.is_leader:
+            self.order.publish(key)
 
     def release(self) -> bool:
         """Give the token back if this thread holds it. Returns whether it did."""
@@ -77,20 +174,20 @@ class ComputeToken:
         return True
 
     @contextmanager
-    def hold(self, priority: Priority) -> Iterator[None]:
+    def hold(self, priority: Priority, key: Hashable = None) -> Iterator[None]:
         """Hold the token for the body."""
-        self.acquire(priority)
+        self.acquire(priority, key)
         try:
             yield
         finally:
             self.release()
 
     @contextmanager
-    def paused(self, priority: Priority) -> Iterator[None]:
+    def paused(self, priority: Priority, key: Hashable = None) -> Iterator[None]:
         """Give the token away for the body (a wait on communication), then take it back if it was held."""
         held = self.release()
         try:
             yield
         finally:
             if held:
-                self.acquire(priority)
+                self.acquire(priority, key)

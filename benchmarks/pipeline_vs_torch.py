@@ -1,0 +1,248 @@
+"""lightning_mp's pipeline engine against torch.distributed.pipelining, same model, same split, one run.
+
+    python benchmarks/pipeline_vs_torch.py [--rounds 3] [--steps 3] [--microbatches 4 8]
+
+The model is a stack of pre-LayerNorm MLP blocks (``x + W2 gelu(W1 LN(x))``) in an ``nn.Sequential``, cut in
+half: blocks ``0 .. L/2-1`` on stage 0, the rest on stage 1, on 2 CPU processes (gloo, 1 intra-op thread each).
+Every method runs forward + backward of one batch (no optimizer step) with the MSE loss against a target:
+
+- ``one process``: the whole model, full batch, 1 thread, on rank 0 while rank 1 waits (same processes, so it
+  is measured under the same conditions and alternates with the others).
+- ``lightning_mp simple`` / ``interleaved``: our module-server engine (``pipeline="simple"`` is GPipe,
+  ``"interleaved"`` runs backward work first, 1F1B-like), the driver runs the loss on stage 0.
+- ``torch GPipe`` / ``torch 1F1B``: ``torch.distributed.pipelining.ScheduleGPipe`` / ``Schedule1F1B`` over
+  ``PipelineStage``s of the same two halves, the loss on the last stage.
+
+Methods alternate round by round (``--rounds`` rounds of ``--steps`` timed steps each, after one warm-up step
+per method and microbatch count); the table shows the median step time of rank 0, the *ideal* pipelined time
+``one-process time / stages x (M + stages - 1) / M`` (perfect overlap, only the fill/drain bubble), and the
+peak activation memory per rank: the largest total size of tensors saved for backward (autograd's saved
+tensors, parameters excluded, counted through ``torch.autograd.graph.saved_tensors_hooks`` around every block)
+alive at once during a step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from lightning_mp.comm import Transport  # noqa: E402
+from lightning_mp.pipeline import PipelineEngine, split_microbatches  # noqa: E402
+
+STAGES = 2
+METHODS = ("one process", "lightning_mp simple", "lightning_mp interleaved", "torch GPipe", "torch 1F1B")
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, D) -> (B, D)
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class BlockStack(nn.Module):
+    def __init__(self, dim: int, num_blocks: int) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[MLPBlock(dim) for _ in range(num_blocks)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
+class ActivationMeter:
+    """Peak bytes of autograd-saved activations alive at once, from saved-tensor hooks entered around modules.
+
+    The hooks are thread-local, so they are entered by forward pre-hooks and left by forward hooks on each block,
+    in whichever thread runs the block (our engine runs microbatches and requests in several threads).
+    """
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+        self._lock = threading.Lock()
+        self._contexts = threading.local()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.peak = self.live
+
+    def attach(self, modules: list[nn.Module]) -> None:
+        for module in modules:
+            module.register_forward_pre_hook(self._enter)
+            module.register_forward_hook(self._exit)
+
+    def _enter(self, module: nn.Module, args: tuple) -> None:
+        ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        ctx.__enter__()
+        self._stack().append(ctx)
+
+    def _exit(self, module: nn.Module, args: tuple, output: object) -> None:
+        self._stack().pop().__exit__(None, None, None)
+
+    def _stack(self) -> list:
+        if not hasattr(self._contexts, "stack"):
+            self._contexts.stack = []
+        return self._contexts.stack
+
+    def _pack(self, tensor: torch.Tensor) -> object:
+        if isinstance(tensor, nn.Parameter):
+            return tensor
+        return _Saved(self, tensor)
+
+    @staticmethod
+    def _unpack(saved: object) -> torch.Tensor:
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+
+
+class _Saved:
+    def __init__(self, meter: ActivationMeter, tensor: torch.Tensor) -> None:
+        self.meter, self.tensor = meter, tensor
+        self.nbytes = tensor.numel() * tensor.element_size()
+        meter.add(self.nbytes)
+
+    def __del__(self) -> None:
+        self.meter.add(-self.nbytes)
+
+
+def _batch(batch_size: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(batch_size, dim, generator=generator), torch.randn(batch_size, dim, generator=generator)
+
+
+def _ours_step(engine: PipelineEngine, model: BlockStack, parts: list) -> None:
+    num = len(parts)
+    with engine.session() as session:
+        if engine.is_driver:
+            session.drive(
+                lambda mb, i: F.mse_loss(model(mb[0]), mb[1]), parts, loss_fn=lambda loss: loss / num, backward=True
+            )
+            session.finish(None)
+        else:
+            session.serve()
+
+
+def _rank(rank: int, init_file: str, out_dir: str, args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(minutes=5))
+    try:
+        torch.manual_seed(0)
+        reference = BlockStack(args.dim, args.blocks)
+        half = args.blocks // 2
+        halves = [copy.deepcopy(reference.blocks[:half]), copy.deepcopy(reference.blocks[half:])]
+        ours = copy.deepcopy(reference)
+        stage_of = {"": 0, "blocks": 0}
+        for fqn, _ in ours.blocks.named_modules():
+            if fqn:
+                stage_of[f"blocks.{fqn}"] = 0 if int(fqn.split(".")[0]) < half else 1
+        engine = PipelineEngine(Transport(dist.new_group([0, 1]), torch.device("cpu")), STAGES, timeout_s=300)
+        engine.install(ours, stage_of)
+        meter = ActivationMeter()
+        meter.attach(list(ours.blocks) + list(halves[rank]) + (list(reference.blocks) if rank == 0 else []))
+        x, y = _batch(args.batch_size, args.dim)
+
+        runners: dict[tuple[str, int], Callable[[], None]] = {}
+        for m in args.microbatches:
+            parts = split_microbatches((x, y), m)
+            for schedule in ("simple", "interleaved"):
+
+                def run(schedule=schedule, parts=parts, m=m) -> None:
+                    engine.schedule, engine.active_microbatches = schedule, (m if schedule == "simple" else STAGES + 2)
+                    _ours_step(engine, ours, parts)
+
+                runners[(f"lightning_mp {schedule}", m)] = run
+            for name, cls in (("torch GPipe", ScheduleGPipe), ("torch 1F1B", Schedule1F1B)):
+                stage = PipelineStage(halves[rank], rank, STAGES, torch.device("cpu"))
+                sched = cls(stage, n_microbatches=m, loss_fn=F.mse_loss)
+
+                def run(sched=sched) -> None:
+                    if rank == 0:
+                        sched.step(x)
+                    else:
+                        sched.step(target=y, losses=[])
+
+                runners[(name, m)] = run
+
+            def single() -> None:
+                if rank == 0:
+                    F.mse_loss(reference(x), y).backward()
+
+            runners[("one process", m)] = single
+
+        times: dict[tuple[str, int], list[float]] = {key: [] for key in runners}
+        peaks: dict[tuple[str, int], int] = {key: 0 for key in runners}
+        for round_index in range(args.rounds + 1):  # round 0 warms every method up
+            for key, run in runners.items():
+                for _ in range(1 if round_index == 0 else args.steps):
+                    dist.barrier()
+                    meter.reset()
+                    start = time.perf_counter()
+                    run()
+                    elapsed = time.perf_counter() - start
+                    if round_index:
+                        times[key].append(elapsed)
+                        peaks[key] = max(peaks[key], meter.peak)
+        torch.save({"times": times, "peaks": peaks}, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per method per round")
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--dim", type=int, default=384)
+    parser.add_argument("--blocks", type=int, default=6)
+    parser.add_argument("--batch-size", type=int, default=1024)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_rank, args=(os.path.join(tmp, "rdv"), tmp, args), nprocs=STAGES, join=True)
+        results = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(STAGES)]
+
+    mib = 2**20
+    print(
+        f"\n{args.blocks} MLP blocks (dim {args.dim}, hidden {4 * args.dim}), batch {args.batch_size}, forward+backward,"
+        f" {STAGES} stages on {STAGES} CPU processes (gloo, 1 thread each); median of {args.rounds * args.steps} steps"
+    )
+    header = f"{'M':>2} {'method':<26} {'ms/step':>8} {'% of ideal':>10} {'vs torch best':>13} {'peak act MiB r0 / r1':>21}"
+    print(header)
+    print("-" * len(header))
+    for m in args.microbatches:
+        median = {name: 1000 * statistics.median(results[0]["times"][(name, m)]) for name in METHODS}
+        ideal = median["one process"] / STAGES * (m + STAGES - 1) / m
+        torch_best = min(median["torch GPipe"], median["torch 1F1B"])
+        print(f"{m:>2} {'ideal (one process / 2 x (M+1)/M)':<26} {ideal:8.1f}")
+        for name in METHODS:
+            peaks = " / ".join(f"{r['peaks'][(name, m)] / mib:.1f}" for r in results)
+            vs = f"{torch_best / median[name]:12.2f}x" if name != "one process" else ""
+            print(f"{m:>2} {name:<26} {median[name]:8.1f} {100 * ideal / median[name]:9.0f}% {vs:>13} {peaks:>21}")
+
+
+if __name__ == "__main__":
+    main()
