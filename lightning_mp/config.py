@@ -79,6 +79,13 @@ class SMPConfig:
     timeout: timedelta = timedelta(minutes=30)
     """How long a rank waits for a peer (collectives and pipeline messages) before failing with an error."""
 
+    deterministic_order: bool | None = None
+    """Make the ranks that hold the same stage in different data-parallel replicas (and one tensor-parallel group)
+    run their stage's module calls in one order, decided by the lowest rank, whatever the message arrival times.
+    Needed when those modules enter collectives together (e.g. ``SyncBatchNorm`` over the data-parallel group).
+    Costs one small message per task from the leader; requires the replicas to make the same calls (no
+    data-dependent control flow that differs between replicas). ``None``: on when ``tensor_parallel_degree > 1``."""
+
     def __post_init__(self) -> None:
         for name in ("pipeline_parallel_degree", "tensor_parallel_degree", "microbatches"):
             value = getattr(self, name)
@@ -104,6 +111,8 @@ class SMPConfig:
                     f"Stage {stage!r} for {name!r} is out of range: stages are 0..{self.pipeline_parallel_degree - 1}"
                     f" for `pipeline_parallel_degree={self.pipeline_parallel_degree}`."
                 )
+        if self.deterministic_order not in (None, True, False):
+            raise ValueError(f"`deterministic_order` must be True, False or None, got {self.deterministic_order!r}.")
         if self.timeout.total_seconds() <= 0:
             raise ValueError(f"`timeout` must be positive, got {self.timeout}.")
 
@@ -119,6 +128,13 @@ class SMPConfig:
             raise ValueError(f"`non_split_inputs` entries must be str (keys, field names) or int (positions), got {bad!r}.")
         if len(set(names)) != len(names):
             raise ValueError(f"`non_split_inputs` names an entry twice: {names!r}.")
+
+    @property
+    def effective_deterministic_order(self) -> bool:
+        """``deterministic_order`` if set, else whether tensor parallelism is on."""
+        if self.deterministic_order is not None:
+            return self.deterministic_order
+        return self.tensor_parallel_degree > 1
 
     @property
     def effective_memory_weight(self) -> float:

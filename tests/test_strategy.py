@@ -127,6 +127,7 @@ ALTERNATING = {"partition": {"net.blocks.1": 1, "net.blocks.3": 1}, "auto_partit
         ("tiedlm", 2, 1, 2, "interleaved", {}, {"optimize": "memory"}),
         ("mlp", 1, 2, 2, "interleaved", {}, {}),
         ("tiedlm", 2, 2, 2, "interleaved", CLIP, {}),
+        ("mlp", 2, 2, 4, "interleaved", {}, {"deterministic_order": True}),
     ],
     ids=[
         "mlp-pp2-mb1",
@@ -136,6 +137,7 @@ ALTERNATING = {"partition": {"net.blocks.1": 1, "net.blocks.3": 1}, "auto_partit
         "tiedlm-pp2-memory-balanced-plan",
         "mlp-dp2-mb2",
         "tiedlm-pp2xdp2-mb2-clipnorm",
+        "mlp-pp2xdp2-mb4-deterministic-order",
     ],
 )
 def test_fit_matches_one_process(tmp_path, model_name, pp, dp, microbatches, schedule, trainer_kwargs, plan_kwargs):

@@ -112,6 +112,7 @@ class SMPStrategy(ParallelStrategy):
         partition_plan: str | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta = default_pg_timeout,
+        deterministic_order: bool | None = None,
         start_method: Literal["popen", "spawn", "fork"] = "popen",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -142,6 +143,7 @@ class SMPStrategy(ParallelStrategy):
             partition_plan=partition_plan,
             process_group_backend=process_group_backend,
             timeout=timeout,
+            deterministic_order=deterministic_order,
         )
         self._start_method = start_method
         self.num_nodes = 1
@@ -286,7 +288,26 @@ class SMPStrategy(ParallelStrategy):
             timeout_s=self.config.timeout.total_seconds(),
             forward_context=self.precision_plugin.forward_context,
             global_ranks=topology.pp_group_ranks(),
+            order_transport=self._build_order_transport(),
         )
+
+    def _build_order_transport(self) -> Transport | None:
+        """With ``deterministic_order``: one group per stage over every replica and TP rank (lowest rank leads)."""
+        topology = self.topology
+        if not self.config.effective_deterministic_order or topology.data_parallel_degree * topology.tensor_parallel_degree == 1:
+            return None
+        own = None
+        for stage in range(topology.pipeline_parallel_degree):
+            ranks = [
+                topology.global_rank(dp_rank=d, pp_rank=stage, tp_rank=t)
+                for d in range(topology.data_parallel_degree)
+                for t in range(topology.tensor_parallel_degree)
+            ]
+            group = dist.new_group(sorted(ranks), timeout=self.config.timeout)
+            if topology.rank in ranks:
+                own = group
+        assert own is not None
+        return Transport(own, self.root_device)
 
     # ---- setup -----------------------------------------------------------------------------------------------
 
