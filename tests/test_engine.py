@@ -320,3 +320,31 @@ def test_a_rank_that_dies_fails_the_others_with_its_name():
         result = torch.load(os.path.join(tmp, "0.pt"), weights_only=False)
     assert result["error"].startswith("PipelineError") and "pipeline stage 1 (global rank 1)" in result["error"]
     assert result["seconds"] < 20, "detected through the lost connection, before the timeout"
+
+
+def _stuck_stage(rank: int, world_size: int, stuck: int) -> dict:
+    import time
+
+    torch.manual_seed(0)
+    model = MLPStack()
+    transport = Transport(dist.new_group([0, 1]), torch.device("cpu"))
+    engine = PipelineEngine(transport, 2, timeout_s=3)
+    engine.install(model, expand_placement(model, PLACEMENTS["mlp"]))
+    if rank == stuck:  # alive (its connections stay open) but never answers within the timeout
+        module = model.layers[0] if stuck == 0 else model.head
+        module.register_forward_pre_hook(lambda *_: time.sleep(12))
+    start = time.monotonic()
+    try:
+        _one_step(engine, lambda mb, i: MLPStack.loss(model, mb), [MLPStack.batch()])
+    except Exception as err:  # noqa: BLE001 - the test inspects the message
+        return {"error": f"{type(err).__name__}: {err}", "seconds": time.monotonic() - start}
+    return {"error": "no error", "seconds": time.monotonic() - start}
+
+
+@pytest.mark.parametrize("stuck", [0, 1], ids=["driver-stuck", "server-stuck"])
+def test_a_stuck_rank_fails_the_others_within_the_timeout(stuck):
+    results = run_distributed(_stuck_stage, 2, stuck)
+    other = results[1 - stuck]
+    assert other["error"].startswith("PipelineError"), other
+    assert f"pipeline stage {stuck} (global rank {stuck})" in other["error"]
+    assert 3 <= other["seconds"] < 8, "raised after the 3 s timeout, long before the stuck rank wakes up (12 s)"

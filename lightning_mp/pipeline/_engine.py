@@ -391,6 +391,8 @@ class PipelineSession:
         self._receivers: list[threading.Thread] = []
         self._workers: list[threading.Thread] = []
         self._finished = False
+        self._last_heard = time.monotonic()  # last message from a peer, or last served request finished
+        self._serving = 0  # served requests in progress on this rank
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -578,13 +580,24 @@ class PipelineSession:
         """Answer requests until the driver finishes the step; return the driver's summary.
 
         Raises:
-            PipelineError: if the driver failed, or a peer stopped answering within the timeout.
+            PipelineError: if the driver failed, or no peer sent anything for the timeout while this rank had no
+                request to work on (the driver is stuck or gone).
         """
-        message: Message = self._end.wait(float("inf"), self.raise_if_failed, "the end of the step")
+        message: Message = self._end.wait(float("inf"), self._raise_if_failed_or_silent, "the end of the step")
         status, body = message.obj.body
         if status != "ok":
             raise PipelineError(f"The step failed on {self.engine.describe_stage(0)}: {body}")
         return body
+
+    def _raise_if_failed_or_silent(self) -> None:
+        self.raise_if_failed()
+        silent_s = time.monotonic() - self._last_heard
+        if self._serving == 0 and silent_s > self.engine.timeout_s:
+            raise PipelineError(
+                f"{self.engine.describe_stage(self.engine.stage)} heard nothing from the other stages for"
+                f" {silent_s:.0f} s (timeout {self.engine.timeout_s:.0f} s) while waiting for"
+                f" {self.engine.describe_stage(0)} to finish the step: it is stuck or gone."
+            )
 
     def _receive_loop(self, peer: int) -> None:
         while True:
@@ -594,6 +607,7 @@ class PipelineSession:
                 self.fail(PipelineError(f"Lost contact with {self.engine.describe_stage(peer)}: {err}"))
                 return
             envelope: _Envelope = message.obj
+            self._last_heard = time.monotonic()
             self.timeline.record("recv", f"from stage {peer}", envelope.microbatch, message.arrived_s)
             if envelope.step != self.step:
                 self.fail(
@@ -615,6 +629,8 @@ class PipelineSession:
             elif envelope.kind == "end":
                 self._end.set(message)
             else:
+                with self._lock:
+                    self._serving += 1
                 worker = threading.Thread(target=self._serve_request, args=(peer, message), daemon=True)
                 self._workers.append(worker)
                 worker.start()
@@ -636,6 +652,9 @@ class PipelineSession:
             text = f"{where} failed running {fqn!r} for microbatch {envelope.microbatch}:\n{traceback.format_exc()}"
             reply = self.envelope("error", envelope.call_id, str(err) if isinstance(err, PipelineError) else text)
         self._send_quietly(reply, peer, envelope.microbatch)
+        with self._lock:
+            self._serving -= 1
+            self._last_heard = time.monotonic()
 
     def _run_forward(self, envelope: _Envelope, message: Message) -> _Envelope:
         fqn, args, kwargs, grad_enabled, span = envelope.body
