@@ -13,7 +13,8 @@ partitioner works on it::
     ├── wte      nn.Embedding(vocab_size, n_embd)      token embedding
     ├── wpe      nn.Embedding(block_size, n_embd)      position embedding
     ├── drop     nn.Dropout
-    ├── h        nn.ModuleList([Block] * n_layer)
+    ├── h        nn.Sequential(Block, ..., Block)  (n_layer blocks; a Sequential, so that lightning_mp sends the
+    │            blocks of one stage as one request: see [Note: sequential runs] in lightning_mp/pipeline/_engine.py)
     │            └── ln_1, attn (CausalSelfAttention), ln_2, mlp (MLP)
     ├── ln_f     nn.LayerNorm(n_embd)
     └── lm_head  nn.Linear(n_embd, vocab_size, bias=False)  (weight tied to wte)
@@ -193,7 +194,7 @@ class GPT(pl.LightningModule):
         self.wte = nn.Embedding(vocab_size, n_embd)
         self.wpe = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
-        self.h = nn.ModuleList([Block(n_embd, n_head, dropout) for _ in range(n_layer)])
+        self.h = nn.Sequential(*[Block(n_embd, n_head, dropout) for _ in range(n_layer)])
         self.ln_f = nn.LayerNorm(n_embd)
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         # weight tying: the output head reuses the token embedding matrix
@@ -232,8 +233,7 @@ class GPT(pl.LightningModule):
         tok_emb = self.wte(idx)  # (B, T, C)
         pos_emb = self.wpe(pos)  # (T, C)
         x = self.drop(tok_emb + pos_emb)  # (B, T, C)
-        for block in self.h:
-            x = block(x)  # (B, T, C)
+        x = self.h(x)  # (B, T, C)
         x = self.ln_f(x)  # (B, T, C)
         return self.lm_head(x)  # (B, T, V)
 

@@ -235,8 +235,8 @@ def _schedule_order(rank: int, world_size: int, schedule: str, active: int) -> l
     order = []
     acquire = _scheduler.ComputeToken.acquire
 
-    def recording_acquire(token, priority):
-        acquire(token, priority)
+    def recording_acquire(token, priority, key=None):
+        acquire(token, priority, key)
         order.append(tuple(priority))
 
     _scheduler.ComputeToken.acquire = recording_acquire
