@@ -230,23 +230,16 @@ def test_hooks_of_a_remote_module_run_once_on_its_owner():
 
 
 def _schedule_order(rank: int, world_size: int, schedule: str, active: int) -> list:
-    from lightning_mp.pipeline import _scheduler
-
-    order = []
-    acquire = _scheduler.ComputeToken.acquire
-
-    def recording_acquire(token, priority, key=None):
-        acquire(token, priority, key)
-        order.append(tuple(priority))
-
-    _scheduler.ComputeToken.acquire = recording_acquire
+    """The driver's compute spans, in order, as (phase, microbatch), phase 1 = forward, 0 = backward."""
     torch.manual_seed(0)
     model = MLPStack()
     transport = Transport(dist.new_group([0, 1]), torch.device("cpu"))
     engine = PipelineEngine(transport, 2, schedule=schedule, active_microbatches=active, timeout_s=60)
     engine.install(model, expand_placement(model, PLACEMENTS["mlp"]))
+    engine.timeline.start()
     _one_step(engine, lambda mb, i: MLPStack.loss(model, mb), split_microbatches(MLPStack.batch(n=16), 4))
-    return order
+    events = engine.timeline.stop()
+    return [(1 if e.category == "forward" else 0, e.microbatch) for e in events if e.category in ("forward", "backward")]
 
 
 def _first_backward_before_last_forward(order: list) -> bool:
@@ -257,10 +250,11 @@ def _first_backward_before_last_forward(order: list) -> bool:
 
 def test_simple_runs_all_forwards_before_backwards_and_interleaved_does_not():
     simple = run_distributed(_schedule_order, 2, "simple", 4)[0]
+    assert {mb for _, mb in simple} == {0, 1, 2, 3}
     assert not _first_backward_before_last_forward(simple), simple
     interleaved = run_distributed(_schedule_order, 2, "interleaved", 2)[0]
     assert _first_backward_before_last_forward(interleaved), interleaved
-    # with active_microbatches=2, microbatch 2 starts only after microbatch 0 finished its backward
+    # with active_microbatches=2, microbatch 2 starts only after microbatch 0 ran (part of) its backward
     first_mb2 = interleaved.index((1, 2))
     assert (0, 0) in interleaved[:first_mb2]
 

@@ -67,9 +67,24 @@ class _Task:
     label: str = "step"  # module FQN of a served request, "step" for the driver's microbatch code
     ident: tuple = ()  # rank-independent name: ("mb", microbatch, phase) or ("call", call_id, kind)
 
-    @property
-    def priority(self) -> Priority:
-        return (self.phase, self.microbatch)
+
+def _priority(task: _Task, schedule: str, stage: int, num_stages: int) -> Priority:
+    """Which ready task computes first on ``stage`` (smaller first). See [Note: 1F1B priorities]."""
+    if schedule == "simple":
+        return (task.phase, task.microbatch)
+    if task.phase == _FORWARD:
+        return (2 * task.microbatch, task.phase)
+    return (2 * (task.microbatch + num_stages - stage) - 1, task.phase)
+
+
+# [Note: 1F1B priorities] With ``pipeline="interleaved"`` a rank picks among its *ready* tasks the one that 1F1B
+# (PipeDream-Flush, Narayanan et al. 2021; torch.distributed.pipelining's Schedule1F1B) would run first: on stage
+# s of P, forward of microbatch j sorts at 2j and backward of microbatch k at 2(k + P - s) - 1, which gives
+# F0 .. F(P-s-1) then B0 F(P-s) B1 F(P-s+1) ... (the last stage alternates F0 B0 F1 B1 ...). Unlike a static
+# 1F1B schedule the order is work-conserving: when the preferred task is not ready (its message has not
+# arrived, or the call graph is not a chain), the next ready one runs instead. Plain "backward first" starved the
+# later stages: stage 0 ran every ready backward before feeding the next forward downstream, and stage 1 sat idle
+# (measured: 1F1B priorities took the 2-stage, 8-microbatch step of benchmarks/pipeline_vs_torch.py from ... ms).
 
 
 _current = threading.local()
@@ -392,6 +407,11 @@ class PipelineSession:
         self._workers: list[threading.Thread] = []
         self._finished = False
         self._last_heard = time.monotonic()  # last message from a peer, or last served request finished
+        # [Note: intra-op threads of engine threads] torch.set_num_threads(n) reaches OpenMP/MKL only in the thread
+        # that calls it; a new thread starts with OpenMP's default (one per core). With n=1 set by the user, a
+        # matmul in a fresh thread measured 10x slower than in the main thread on a 2-core machine (16 ms vs 1.5 ms
+        # for 128x1536 @ 1536x384). Every compute thread of the engine therefore repeats the caller's setting.
+        self._intra_op_threads = torch.get_num_threads()
         self._serving = 0  # served requests in progress on this rank
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
@@ -399,6 +419,10 @@ class PipelineSession:
     def envelope(self, kind: str, call_id: tuple[int, int] | None = None, body: Any = None, microbatch: int = 0) -> _Envelope:
         """A message of this step."""
         return _Envelope(kind, self.step, call_id, body, microbatch)
+
+    def priority(self, task: _Task) -> Priority:
+        engine = self.engine
+        return _priority(task, engine.schedule, engine.stage, engine.num_stages)
 
     def grant_key(self, task: _Task) -> tuple | None:
         """The rank-independent name of ``task``'s next grant of the compute token (None when unordered)."""
@@ -442,13 +466,18 @@ class PipelineSession:
 
     def start(self) -> None:
         for peer in self.peers:
-            thread = threading.Thread(target=self._receive_loop, args=(peer,), daemon=True, name=f"smp-recv-{peer}")
-            thread.start()
-            self._receivers.append(thread)
+            self._listen(peer)
         if self._order is not None and self._order.rank != 0:
             thread = threading.Thread(target=self._order_loop, daemon=True, name="smp-order")
             thread.start()
             self._receivers.append(thread)
+
+    def _listen(self, peer: int) -> None:
+        """Start the thread that receives the next messages from ``peer`` (one listener per peer at a time)."""
+        thread = threading.Thread(target=self._receive_loop, args=(peer,), daemon=True, name=f"smp-recv-{peer}")
+        with self._lock:
+            self._receivers.append(thread)
+        thread.start()
 
     def fail(self, error: BaseException) -> None:
         """Record the first failure; every waiter on this rank raises it."""
@@ -481,8 +510,10 @@ class PipelineSession:
                     self._order.send(("close", self.step, None), follower)
                 except Exception:  # the follower may be gone; its own session fails on its own
                     pass
-        for receiver in self._receivers:
-            receiver.join(self.engine.timeout_s if self._error is None else _POLL_S)
+        joined = 0
+        while joined < len(self._receivers):  # a listener that took a request started the next listener
+            self._receivers[joined].join(self.engine.timeout_s if self._error is None else _POLL_S)
+            joined += 1
 
     def _send_quietly(self, envelope: Any, peer: int, microbatch: int = 0) -> None:
         try:
@@ -515,20 +546,30 @@ class PipelineSession:
         grad_enabled, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
         def run(index: int, forwards_done: _WaveBarrier | None) -> None:
-            with torch.inference_mode(inference), torch.set_grad_enabled(grad_enabled):
-                task = _Task(index, _FORWARD, ident=("mb", index, _FORWARD))
-                with _as_task(task), self.token.hold(task.priority, self.grant_key(task)):
+            forward = _Task(index, _FORWARD, ident=("mb", index, _FORWARD))
+            back = _Task(index, _BACKWARD, ident=("mb", index, _BACKWARD))
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad_enabled), _as_task(forward):
+                self.token.acquire(self.priority(forward), self.grant_key(forward))
+                try:
                     outputs[index] = step_fn(microbatches[index], index)
-                if not backward:
-                    return
-                loss = loss_fn(outputs[index])
-                if forwards_done is not None:
-                    forwards_done.arrive_and_wait()
-                    self.raise_if_failed()
-                if loss is not None:
-                    task = _Task(index, _BACKWARD, ident=("mb", index, _BACKWARD))
-                    with _as_task(task), self.token.hold(task.priority, self.grant_key(task)):
-                        loss.backward()
+                    loss = loss_fn(outputs[index]) if backward else None
+                    if loss is None:
+                        return
+                    if forwards_done is not None:  # "simple": every forward of the wave first
+                        self.token.release()
+                        forwards_done.arrive_and_wait()
+                        self.raise_if_failed()
+                        with _as_task(back):
+                            self.token.acquire(self.priority(back), self.grant_key(back))
+                    else:  # straight on to the backward unless a better task waits (no release/re-acquire race)
+                        self.token.handover(self.priority(back), self.grant_key(back))
+                    with _as_task(back):
+                        try:
+                            loss.backward()
+                        finally:
+                            self.token.release()
+                finally:
+                    self.token.release()  # no-op when the backward released it
 
         if not self.peers:  # one stage: nothing to overlap, run inline
             for index in range(len(microbatches)):
@@ -542,6 +583,7 @@ class PipelineSession:
         slots = threading.Semaphore(cap)
 
         def guarded(index: int, barrier: _WaveBarrier | None) -> None:
+            torch.set_num_threads(self._intra_op_threads)  # see [Note: intra-op threads of engine threads]
             try:
                 run(index, barrier)
             except BaseException as err:
@@ -629,20 +671,23 @@ class PipelineSession:
             elif envelope.kind == "end":
                 self._end.set(message)
             else:
+                # Leader/followers: a new thread listens to this peer, and this one, already awake with the
+                # request in hand, serves it (one thread wake-up less on the critical path than handing it over).
                 with self._lock:
                     self._serving += 1
-                worker = threading.Thread(target=self._serve_request, args=(peer, message), daemon=True)
-                self._workers.append(worker)
-                worker.start()
+                self._listen(peer)
+                self._serve_request(peer, message)
+                return
 
     def _serve_request(self, peer: int, message: Message) -> None:
+        torch.set_num_threads(self._intra_op_threads)  # see [Note: intra-op threads of engine threads]
         envelope: _Envelope = message.obj
         phase = _FORWARD if envelope.kind == "fwd" else _BACKWARD
         fqn = envelope.body[0]
         label = _label(fqn, envelope.body[-1] if phase == _FORWARD else None)
         task = _Task(envelope.microbatch, phase, label, ident=("call", envelope.call_id, envelope.kind))
         try:
-            with _as_task(task), self.token.hold(task.priority, self.grant_key(task)):
+            with _as_task(task), self.token.hold(self.priority(task), self.grant_key(task)):
                 if envelope.kind == "fwd":
                     reply = self._run_forward(envelope, message)
                 else:
@@ -650,7 +695,7 @@ class PipelineSession:
         except BaseException as err:
             where = self.engine.describe_stage(self.engine.stage)
             text = f"{where} failed running {fqn!r} for microbatch {envelope.microbatch}:\n{traceback.format_exc()}"
-            reply = self.envelope("error", envelope.call_id, str(err) if isinstance(err, PipelineError) else text)
+            reply = self.envelope("error", envelope.call_id, str(err) if isinstance(err, PipelineError) else text, envelope.microbatch)
         self._send_quietly(reply, peer, envelope.microbatch)
         with self._lock:
             self._serving -= 1
@@ -673,7 +718,7 @@ class PipelineSession:
                 (output,) = args
                 for child in list(module)[span[0] : span[1]]:
                     output = child(output)
-        reply = pack(self.envelope("reply", envelope.call_id, output))
+        reply = pack(self.envelope("reply", envelope.call_id, output, envelope.microbatch))
         if grad_enabled:
             outputs = [t for t in reply.tensors if t.requires_grad and _differentiable(t)]
             if outputs:
@@ -688,7 +733,7 @@ class PipelineSession:
         pairs = [(out, grad) for out, grad in zip(saved.outputs, grad_outputs) if grad is not None]
         if pairs:
             torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
-        return self.envelope("reply", envelope.call_id, [leaf.grad for leaf in saved.leaves])
+        return self.envelope("reply", envelope.call_id, [leaf.grad for leaf in saved.leaves], envelope.microbatch)
 
     # ---- caller side -----------------------------------------------------------------------------------------
 
@@ -701,7 +746,7 @@ class PipelineSession:
         future = _Future()
         with self._lock:
             self._futures[call_id] = future
-        with self.token.paused(task.priority, self.grant_key(task)):
+        with self.token.paused(self.priority(task), self.grant_key(task)):
             self.send(request, stage, task.microbatch)
             message: Message = future.wait(
                 self.engine.timeout_s, self.raise_if_failed, f"{what} on {self.engine.describe_stage(stage)}"

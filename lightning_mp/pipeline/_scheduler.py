@@ -173,6 +173,27 @@ class ComputeToken:
             self.on_release(since)
         return True
 
+    def handover(self, priority: Priority, key: Hashable = None) -> None:
+        """The holder goes on with other work of ``priority``: it keeps the token unless a better task waits.
+
+        Without an order this costs nothing when no better task waits; with an order
+        (leader or follower) the token is given back and taken again, so the grant is published / followed.
+        Records the span so far (``on_release``) when the token is kept, as if it had been released.
+        """
+        me = threading.get_ident()
+        with self._cv:
+            if self._holder != me:
+                raise RuntimeError("handover() called by a thread that does not hold the compute token.")
+            keep = self.order is None and (not self._queue or self._queue[0][0] >= priority)
+            if keep:
+                since, self._since = self._since, time.perf_counter()
+        if keep:
+            if self.on_release is not None:
+                self.on_release(since)
+            return
+        self.release()
+        self.acquire(priority, key)
+
     @contextmanager
     def hold(self, priority: Priority, key: Hashable = None) -> Iterator[None]:
         """Hold the token for the body."""
