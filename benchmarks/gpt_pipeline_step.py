@@ -6,7 +6,7 @@ Measures forward+backward of one batch (no optimizer, no Lightning) so the table
 
 Rows: one process with 1 and 2 intra-op threads (the peer: plain PyTorch), and the pipeline on 2 processes with
 1 thread each, for both schedules. "ideal" is the one-thread time / 2 stages x (M + 1) / M (a perfect 2-stage
-pipeline with its fill/drain bubble). Also printed: per-stage busy time (holding the compute token) and the
+pipeline with its fill/drain bubble). Also printed: per-stage busy time (forward/backward spans of the engine's timeline) and the
 number of remote calls per step. Runs on CPU with gloo; the model is configs/gpt_single.yaml's.
 """
 
@@ -31,7 +31,6 @@ from examples.gpt import GPT  # noqa: E402
 from lightning_mp.comm import Transport  # noqa: E402
 from lightning_mp.partition import plan, trace  # noqa: E402
 from lightning_mp.pipeline import PipelineEngine, split_microbatches  # noqa: E402
-from lightning_mp.pipeline import _scheduler  # noqa: E402
 
 
 def _model() -> GPT:
@@ -61,28 +60,6 @@ def one_process(threads: int, steps: int, batch_size: int) -> list[float]:
     return times
 
 
-class _BusyClock:
-    """Sum of the time this rank's compute token is held (patched around ComputeToken)."""
-
-    def __init__(self) -> None:
-        self.busy = 0.0
-        self._since: dict[int, float] = {}
-        acquire, release = _scheduler.ComputeToken.acquire, _scheduler.ComputeToken.release
-        clock = self
-
-        def timed_acquire(token, priority):
-            acquire(token, priority)
-            clock._since[id(token)] = time.perf_counter()
-
-        def timed_release(token):
-            released = release(token)
-            if released:
-                clock.busy += time.perf_counter() - clock._since.pop(id(token))
-            return released
-
-        _scheduler.ComputeToken.acquire, _scheduler.ComputeToken.release = timed_acquire, timed_release
-
-
 def _pipeline_rank(rank: int, init_file: str, out_dir: str, steps: int, microbatches: int, schedule: str, batch_size: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(minutes=5))
@@ -100,10 +77,10 @@ def _pipeline_rank(rank: int, init_file: str, out_dir: str, steps: int, microbat
             return call_remote(*args, **kwargs)
 
         engine.call_remote = counted
-        clock = _BusyClock()
         times, busy = [], []
         for _ in range(steps):
-            start, busy_start = time.perf_counter(), clock.busy
+            start = time.perf_counter()
+            engine.timeline.start()
             with engine.session() as session:
                 if engine.is_driver:
                     session.drive(lambda mb, i: _loss(model, mb), parts, loss_fn=lambda l: l / microbatches, backward=True)
@@ -111,7 +88,8 @@ def _pipeline_rank(rank: int, init_file: str, out_dir: str, steps: int, microbat
                 else:
                     session.serve()
             times.append(time.perf_counter() - start)
-            busy.append(clock.busy - busy_start)
+            events = engine.timeline.stop()
+            busy.append(sum(e.duration_s for e in events if e.category in ("forward", "backward")))
         torch.save({"times": times, "busy": busy, "calls": calls[0] / steps}, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()

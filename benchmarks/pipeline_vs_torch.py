@@ -8,8 +8,9 @@ Every method runs forward + backward of one batch (no optimizer step) with the M
 
 - ``one process``: the whole model, full batch, 1 thread, on rank 0 while rank 1 waits (same processes, so it
   is measured under the same conditions and alternates with the others).
-- ``lightning_mp simple`` / ``interleaved``: our module-server engine (``pipeline="simple"`` is GPipe,
-  ``"interleaved"`` runs backward work first, 1F1B-like), the driver runs the loss on stage 0.
+- ``lightning_mp simple`` / ``interleaved``: our module-server engine (``pipeline="simple"`` is GPipe with
+  ``active_microbatches=M``, ``"interleaved"`` orders ready work as 1F1B would, with the default
+  ``active_microbatches=pp+2``; ``interleaved a2`` caps it at ``pp``); the driver runs the loss on stage 0.
 - ``torch GPipe`` / ``torch 1F1B``: ``torch.distributed.pipelining.ScheduleGPipe`` / ``Schedule1F1B`` over
   ``PipelineStage``s of the same two halves, the loss on the last stage.
 
@@ -47,7 +48,14 @@ from lightning_mp.comm import Transport  # noqa: E402
 from lightning_mp.pipeline import PipelineEngine, split_microbatches  # noqa: E402
 
 STAGES = 2
-METHODS = ("one process", "lightning_mp simple", "lightning_mp interleaved", "torch GPipe", "torch 1F1B")
+METHODS = (
+    "one process",
+    "lightning_mp simple",
+    "lightning_mp interleaved",
+    "lightning_mp interleaved a2",
+    "torch GPipe",
+    "torch 1F1B",
+)
 
 
 class MLPBlock(nn.Module):
@@ -169,13 +177,17 @@ def _rank(rank: int, init_file: str, out_dir: str, args: argparse.Namespace) -> 
         runners: dict[tuple[str, int], Callable[[], None]] = {}
         for m in args.microbatches:
             parts = split_microbatches((x, y), m)
-            for schedule in ("simple", "interleaved"):
+            for name, schedule, active in (
+                ("lightning_mp simple", "simple", m),  # one wave: every forward, then every backward
+                ("lightning_mp interleaved", "interleaved", STAGES + 2),  # the default cap, pp + 2
+                ("lightning_mp interleaved a2", "interleaved", STAGES),  # active_microbatches = pp
+            ):
 
-                def run(schedule=schedule, parts=parts, m=m) -> None:
-                    engine.schedule, engine.active_microbatches = schedule, (m if schedule == "simple" else STAGES + 2)
+                def run(schedule=schedule, active=active, parts=parts) -> None:
+                    engine.schedule, engine.active_microbatches = schedule, active
                     _ours_step(engine, ours, parts)
 
-                runners[(f"lightning_mp {schedule}", m)] = run
+                runners[(name, m)] = run
             for name, cls in (("torch GPipe", ScheduleGPipe), ("torch 1F1B", Schedule1F1B)):
                 stage = PipelineStage(halves[rank], rank, STAGES, torch.device("cpu"))
                 sched = cls(stage, n_microbatches=m, loss_fn=F.mse_loss)
