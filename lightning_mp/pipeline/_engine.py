@@ -438,6 +438,7 @@ class PipelineSession:
 
     def _order_loop(self) -> None:
         """Follower: feed the leader's grants to the compute token until the leader closes the step."""
+        torch.set_num_threads(self._intra_op_threads)
         while True:
             try:
                 kind, step, key = self._order.recv(0).obj
@@ -642,6 +643,7 @@ class PipelineSession:
             )
 
     def _receive_loop(self, peer: int) -> None:
+        torch.set_num_threads(self._intra_op_threads)  # copies out of the wire buffer run torch ops here too
         while True:
             try:
                 message = self.transport.recv(peer)
