@@ -294,7 +294,8 @@ class SMPStrategy(ParallelStrategy):
     def _build_order_transport(self) -> Transport | None:
         """With ``deterministic_order``: one group per stage over every replica and TP rank (lowest rank leads)."""
         topology = self.topology
-        if not self.config.effective_deterministic_order or topology.data_parallel_degree * topology.tensor_parallel_degree == 1:
+        replicas_per_stage = topology.data_parallel_degree * topology.tensor_parallel_degree
+        if not self.config.effective_deterministic_order or replicas_per_stage == 1:
             return None
         own = None
         for stage in range(topology.pipeline_parallel_degree):
