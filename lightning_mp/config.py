@@ -42,8 +42,9 @@ class SMPConfig:
     integer positions of a tuple or list batch. E.g. ``("table",)`` for a lookup table every sample reads."""
 
     pipeline: PipelineSchedule = "interleaved"
-    """``"interleaved"``: backward work of a microbatch runs as soon as it is ready and has priority over
-    forward work (1F1B-like activation memory). ``"simple"``: all forwards, then all backwards (GPipe)."""
+    """``"interleaved"``: each stage runs its ready forward and backward work in the order 1F1B would (warm-up
+    forwards, then one forward / one backward), taking the next ready task when the preferred one is not ready
+    (1F1B-like activation memory). ``"simple"``: all forwards, then all backwards (GPipe)."""
 
     active_microbatches: int | None = None
     """Cap on microbatches in flight on the driver at once. ``None`` means ``pipeline_parallel_degree + 2``
@@ -77,7 +78,10 @@ class SMPConfig:
     """``torch.distributed`` backend. ``None``: ``"gloo"`` on CPU, ``"nccl"`` on CUDA."""
 
     timeout: timedelta = timedelta(minutes=30)
-    """How long a rank waits for a peer (collectives and pipeline messages) before failing with an error."""
+    """How long a rank waits for a peer (collectives and pipeline messages) before failing with an error. A pipeline
+    stage with no request to work on also fails when no message reaches it for this long within a step (it cannot
+    tell a stuck stage from a slow one), so it must exceed the longest stretch of a step without a message to some
+    stage, e.g. a long computation that stays on one stage."""
 
     deterministic_order: bool | None = None
     """Make the ranks that hold the same stage in different data-parallel replicas (and one tensor-parallel group)

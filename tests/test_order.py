@@ -182,3 +182,55 @@ def test_diverging_replicas_raise_instead_of_hanging() -> None:
     assert time.monotonic() - start < 60
     assert any("order leader" in m for m in messages), messages
     assert all(messages[r] for r in (2, 3)), messages
+
+
+def _leader_fails(rank: int, world_size: int) -> str:
+    """Two one-stage replicas sharing an order; the leader's step raises at microbatch 1."""
+    own = [dist.new_group([r]) for r in range(world_size)][rank]
+    engine = PipelineEngine(
+        Transport(own, torch.device("cpu")), 1, timeout_s=10, order_transport=Transport(dist.new_group([0, 1]), torch.device("cpu"))
+    )
+    model = nn.Linear(4, 1)
+    engine.install(model, {"": 0})
+
+    def step_fn(part, i):
+        if rank == 0 and i == 1:
+            raise ValueError("bad batch on the leader")
+        return model(part).sum()
+
+    try:
+        with engine.session() as session:
+            session.drive(step_fn, list(torch.randn(3, 2, 4)), loss_fn=lambda l: l, backward=True)
+    except Exception as err:  # noqa: BLE001 - the test inspects the message
+        return f"{type(err).__name__}: {err}"
+    return ""
+
+
+def test_a_failing_leader_is_reported_as_a_failure_not_as_diverged_calls() -> None:
+    messages = run_distributed(_leader_fails, 2)
+    assert "bad batch on the leader" in messages[0], messages
+    assert "order leader" in messages[1] and "failed" in messages[1], messages
+    assert "must make the same module calls" not in messages[1], messages
+
+
+def test_a_follower_whose_leader_grants_nothing_raises_within_the_timeout() -> None:
+    """The leader is alive but silent (stuck): a task waiting on a follower raises instead of waiting forever."""
+    import threading
+
+    from lightning_mp.pipeline._scheduler import ComputeToken, GrantOrder, OrderDivergedError
+
+    token = ComputeToken(lambda: None, poll_s=0.05)
+    token.order = GrantOrder(publish=None, timeout_s=0.3)
+    raised: list[BaseException] = []
+
+    def wait_for_grant() -> None:
+        try:
+            token.acquire((0,), ("mb", 0, 1))
+        except BaseException as err:  # noqa: BLE001 - the test inspects it
+            raised.append(err)
+
+    thread = threading.Thread(target=wait_for_grant, daemon=True)
+    thread.start()
+    thread.join(5)
+    assert not thread.is_alive(), "still waiting for a grant 5 s after a 0.3 s timeout"
+    assert isinstance(raised[0], OrderDivergedError) and "order leader" in str(raised[0]), raised

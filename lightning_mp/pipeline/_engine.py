@@ -84,7 +84,7 @@ def _priority(task: _Task, schedule: str, stage: int, num_stages: int) -> Priori
 # 1F1B schedule the order is work-conserving: when the preferred task is not ready (its message has not
 # arrived, or the call graph is not a chain), the next ready one runs instead. Plain "backward first" starved the
 # later stages: stage 0 ran every ready backward before feeding the next forward downstream, and stage 1 sat idle
-# (measured: 1F1B priorities took the 2-stage, 8-microbatch step of benchmarks/pipeline_vs_torch.py from ... ms).
+# (benchmarks/pipeline_vs_torch.py measures the schedules).
 
 
 _current = threading.local()
@@ -334,6 +334,8 @@ def _batch_sequential_runs(
     """Make a local ``nn.Sequential`` whose children span stages send each remote run as one request."""
     if not isinstance(module, nn.Sequential) or type(module).forward is not nn.Sequential.forward:
         return
+    if id(module) not in stateful:  # stateless: runs where it is called, whatever stage the plan names
+        return
     runs = _sequential_runs(module, fqn, stage_of, stateful)
     if all(stage == engine.stage for stage, _, _ in runs):
         return
@@ -399,12 +401,12 @@ class PipelineSession:
             publish = self._publish_grant if self._order.rank == 0 else None
             self.token.order = GrantOrder(publish=publish, timeout_s=engine.timeout_s)
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when a served request has sent its reply
         self._futures: dict[tuple[int, int], _Future] = {}
         self._saved: dict[tuple[int, int], _SavedCall] = {}
         self._end = _Future()
         self._error: BaseException | None = None
         self._receivers: list[threading.Thread] = []
-        self._workers: list[threading.Thread] = []
         self._finished = False
         self._last_heard = time.monotonic()  # last message from a peer, or last served request finished
         # [Note: intra-op threads of engine threads] torch.set_num_threads(n) reaches OpenMP/MKL only in the thread
@@ -450,6 +452,9 @@ class PipelineSession:
                 return
             if kind == "close":
                 self.token.leader_done()
+                return
+            if kind == "error":  # ``key`` is the leader's error
+                self.fail(PipelineError(f"The order leader of this stage failed the step: {key}"))
                 return
             self.token.decide(key)
 
@@ -500,15 +505,22 @@ class PipelineSession:
                 self._send_quietly(self.envelope("end", body=("error", text)), peer)
 
     def close(self) -> None:
-        """Finish the step: wait for local work, then exchange "close" with every peer."""
-        for worker in self._workers:
-            worker.join(self.engine.timeout_s if self._error is None else _POLL_S)
+        """Finish the step: wait for the requests this rank serves to reply, exchange "close" with every peer,
+        then join this step's threads (listeners, which serve the requests they receive, and the order thread).
+
+        After a failure the waits are short (``_POLL_S``): a request still running then replies after "close",
+        and a next step on that peer fails on the stale reply as out of step.
+        """
+        with self._idle:
+            self._idle.wait_for(lambda: self._serving == 0, self.engine.timeout_s if self._error is None else _POLL_S)
         for peer in self.peers:
             self._send_quietly(self.envelope("close"), peer)
         if self._order is not None and self._order.rank == 0:
+            # A failed leader says so: its followers would otherwise take the grants it never made for divergence.
+            last = ("close", self.step, None) if self._error is None else ("error", self.step, str(self._error))
             for follower in range(1, self._order.size):
                 try:
-                    self._order.send(("close", self.step, None), follower)
+                    self._order.send(last, follower)
                 except Exception:  # the follower may be gone; its own session fails on its own
                     pass
         joined = 0
@@ -624,7 +636,9 @@ class PipelineSession:
 
         Raises:
             PipelineError: if the driver failed, or no peer sent anything for the timeout while this rank had no
-                request to work on (the driver is stuck or gone).
+                request to work on (the driver or a stage it waits on is stuck or gone). A healthy step fails the
+                same way when some stretch of it sends nothing to this rank for longer than the timeout (e.g. the
+                driver computes locally for that long): the timeout must exceed the longest such stretch.
         """
         message: Message = self._end.wait(float("inf"), self._raise_if_failed_or_silent, "the end of the step")
         status, body = message.obj.body
@@ -639,7 +653,9 @@ class PipelineSession:
             raise PipelineError(
                 f"{self.engine.describe_stage(self.engine.stage)} heard nothing from the other stages for"
                 f" {silent_s:.0f} s (timeout {self.engine.timeout_s:.0f} s) while waiting for"
-                f" {self.engine.describe_stage(0)} to finish the step: it is stuck or gone."
+                f" {self.engine.describe_stage(0)} to finish the step: it, or a stage it waits on, is stuck or gone."
+                " If a step can legitimately go longer than that without a message to this stage (a long"
+                " computation on another stage), raise the timeout."
             )
 
     def _receive_loop(self, peer: int) -> None:
@@ -701,6 +717,7 @@ class PipelineSession:
         self._send_quietly(reply, peer, envelope.microbatch)
         with self._lock:
             self._serving -= 1
+            self._idle.notify_all()
             self._last_heard = time.monotonic()
 
     def _run_forward(self, envelope: _Envelope, message: Message) -> _Envelope:

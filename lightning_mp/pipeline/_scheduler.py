@@ -5,8 +5,8 @@ request) runs in its own thread but computes only while it holds the rank's sing
 waits for a remote stage gives the token back, and the waiting task with the best priority gets it. So a rank
 behaves like SMP's execution server (paper section 3.2): it switches to another microbatch whenever the
 current one pauses on communication, never oversubscribes its cores, and runs tasks in an order set by
-priorities, not by thread timing. Priorities are ``(phase, microbatch, arrival)``: with the "interleaved"
-schedule backward work (phase 0) beats forward work (phase 1), then lower microbatches first.
+priorities, not by thread timing. The engine sets the priorities (smaller first, ties by arrival): "simple" runs
+``(phase, microbatch)``, "interleaved" the 1F1B order of [Note: 1F1B priorities] in ``_engine.py``.
 
 [Note: deterministic order] Priorities alone still let arrival times decide between tasks that become ready
 at different moments. Ranks that must execute module calls in the same order (one tensor-parallel group, or the
@@ -34,7 +34,8 @@ Priority = tuple[int, ...]
 
 
 class OrderDivergedError(RuntimeError):
-    """A follower was told to run a task that never arrived on it (see [Note: deterministic order])."""
+    """A follower was told to run a task that never arrived on it, or was told nothing for the timeout while a task
+    waited (see [Note: deterministic order])."""
 
 
 class GrantOrder:
@@ -42,7 +43,8 @@ class GrantOrder:
 
     Args:
         publish: leader only: called by the granted thread with the grant's key, before it computes.
-        timeout_s: follower only: how long to wait for the task the leader ran next before raising.
+        timeout_s: follower only: how long to wait for the task the leader ran next, or for any grant while a task
+            waits here, before raising.
     """
 
     def __init__(self, *, publish: Callable[[Hashable], None] | None, timeout_s: float) -> None:
@@ -78,6 +80,7 @@ class ComputeToken:
         self.order: GrantOrder | None = None
         self._decided: collections.deque[Hashable] = collections.deque()
         self._head_since: float | None = None
+        self._grantless_since: float | None = None  # follower: since when tasks wait here and no grant came
         self._leader_done = False
 
     def leader_done(self) -> None:
@@ -110,7 +113,9 @@ class ComputeToken:
                     f"This rank has task {self._queue[0][3]!r} to run, but the order leader finished the step"
                     " without it. Ranks that share an execution order must make the same module calls."
                 )
+            self._raise_if_no_grant()
             return
+        self._grantless_since = None
         head = self._decided[0]
         if any(entry[3] == head for entry in self._queue):
             self._head_since = None
@@ -124,6 +129,21 @@ class ComputeToken:
                 f" {self.order.timeout_s:.0f} s. Ranks that share an execution order (one tensor-parallel group, or"
                 " one stage of several data-parallel replicas with `deterministic_order=True`) must make the same"
                 " module calls; data-dependent control flow that differs between them cannot be ordered."
+            )
+
+    def _raise_if_no_grant(self) -> None:
+        """Follower: raise if tasks waited here for the timeout while the leader granted nothing (it is stuck)."""
+        if not self._queue or self._holder is not None:
+            self._grantless_since = None
+            return
+        now = time.monotonic()
+        if self._grantless_since is None:
+            self._grantless_since = now
+        elif now - self._grantless_since > self.order.timeout_s:
+            raise OrderDivergedError(
+                f"This rank has task {self._queue[0][3]!r} ready, but the order leader granted nothing for"
+                f" {self.order.timeout_s:.0f} s: it is stuck or gone, or it waits for work that this rank never"
+                " sends it. Ranks that share an execution order must make the same module calls."
             )
 
     def acquire(self, priority: Priority, key: Hashable = None) -> None:
@@ -154,7 +174,7 @@ class ComputeToken:
             heapq.heapify(self._queue)
             if self.order is not None and not self.order.is_leader:
                 self._decided.popleft()
-                self._head_since = None
+                self._head_since = self._grantless_since = None
                 self._cv.notify_all()  # the next decided task may already be waiting
             self._holder = me
             self._since = time.perf_counter()

@@ -73,7 +73,7 @@ class SMPStrategy(ParallelStrategy):
         microbatches: microbatches per batch; every tensor's dim 0 must divide by it.
         non_split_inputs: top-level batch entries (dict keys, dataclass/NamedTuple field names, tuple/list
             positions) given whole to every microbatch instead of split (SMP's ``non_split_inputs``).
-        pipeline: ``"interleaved"`` (backward first whenever ready, 1F1B-like memory) or ``"simple"`` (GPipe).
+        pipeline: ``"interleaved"`` (ready work in 1F1B order, 1F1B-like memory) or ``"simple"`` (GPipe).
         active_microbatches: cap on microbatches in flight; ``None`` = ``pipeline_parallel_degree + 2``.
         auto_partition: balance modules over stages automatically; if ``False``, ``partition`` must place them.
         default_partition: stage of unplaced modules when ``auto_partition=False``.
