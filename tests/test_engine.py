@@ -353,3 +353,25 @@ def test_a_sequential_without_parameters_runs_where_it_is_called():
     engine.install(model, {"": 0, "0": 0, "1": 1, "1.0": 1, "2": 1})
     x = torch.randn(3, 4)
     torch.testing.assert_close(model[1](x), torch.relu(x))  # outside a step: a request would raise
+
+
+def _requests_of_one_microbatch(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    model = MLPStack()
+    transport = Transport(dist.new_group([0, 1]), torch.device("cpu"))
+    engine = PipelineEngine(transport, 2, timeout_s=60)
+    engine.install(model, expand_placement(model, PLACEMENTS["mlp"]))
+    engine.timeline.start()
+    _one_step(engine, lambda mb, i: MLPStack.loss(model, mb), [MLPStack.batch()])
+    events = engine.timeline.stop()
+    return {
+        "requests": sum(1 for e in events if e.category == "send" and e.thread.startswith("smp-mb")),
+        "served": sorted({e.name for e in events if e.category in ("forward", "backward") and rank == 1}),
+    }
+
+
+def test_a_sequential_run_on_another_stage_is_one_request():
+    """layers.3..5 (an nn.Sequential's last three children) and head live on stage 1: 2 requests forward, 2 back."""
+    driver, server = run_distributed(_requests_of_one_microbatch, 2)
+    assert driver["requests"] == 4, "one per run (layers[3:6], head) and direction, not one per child (8)"
+    assert server["served"] == ["head", "layers[3:6]"]
