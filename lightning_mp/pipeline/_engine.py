@@ -305,8 +305,8 @@ def _label(fqn: str, span: tuple[int, int] | None) -> str:
 # see: when the children of a Sequential span stages, its forward is replaced (on its owner only) by one that
 # sends each maximal run of consecutive children living on one other stage as a single request, so stage 0
 # calling blocks 3..5 on stage 1 costs one round trip forward and one backward per microbatch, as in a
-# static pipeline. Children without parameters join the run before them (the first run if they lead); they run wherever called.
-# A subclass that overrides ``forward`` keeps its own forward.
+# static pipeline. Children without parameters join the run before them (the first run if they lead), as they
+# run wherever they are called. A subclass that overrides ``forward`` keeps its own forward.
 
 
 def _sequential_runs(module: nn.Sequential, fqn: str, stage_of: Mapping[str, int], stateful: set[int]) -> list[tuple[int, int, int]]:
