@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 from collections.abc import Mapping
 from datetime import timedelta
 from functools import partial
@@ -25,7 +24,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
@@ -40,6 +39,7 @@ from lightning_mp.callbacks import PartitionSummary
 from lightning_mp.partition import ModelTrace, PartitionPlan, manual_placements
 from lightning_mp.pipeline import MicrobatchSplitError, PipelineEngine, merge_microbatches, split_microbatches
 from lightning_mp.strategy import _checkpoint
+from lightning_mp.strategy._exit import SpawnLauncher, release_at_exit
 from lightning_mp.strategy._placement import PLAN_KEY, broadcast_plan, load_plan, make_plan, single_stage_plan
 from lightning_mp.strategy._step import (
     GradientStash,
@@ -237,7 +237,7 @@ class SMPStrategy(ParallelStrategy):
             if not self.cluster_environment.creates_processes_externally:
                 self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = SpawnLauncher(self, start_method=self._start_method)
 
     @override
     def setup_environment(self) -> None:
@@ -258,7 +258,12 @@ class SMPStrategy(ParallelStrategy):
         if self._engine is None:  # a later fit/validate/test in the same processes keeps groups, plan and placement
             self._device_mesh = build_device_mesh(self._topology, self.root_device.type)
             self._engine = self._build_engine()
-            _destroy_process_groups_at_exit()
+            release_at_exit(self)  # see [Note: exit-time abort] in _exit.py
+
+    def _release_process_groups(self) -> None:
+        """Drop every object that holds a process group (at exit, after they were destroyed)."""
+        self._engine = None
+        self._device_mesh = None
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -584,31 +589,6 @@ class SMPStrategy(ParallelStrategy):
         strategy_registry.register(
             "smp", cls, description="lightning_mp: automatic pipeline partitioning x data parallel (SageMaker MP design)"
         )
-
-
-_EXIT_HOOK_REGISTERED = False
-
-
-def _destroy_process_groups_at_exit() -> None:
-    """Destroy every process group while Python is still whole, rather than in interpreter finalisation.
-
-    The pipeline adds its own point-to-point groups and threads that used them; letting their gloo contexts be
-    torn down during finalisation once aborted a process ("terminate called without an active exception")
-    after a successful fit.
-    """
-    global _EXIT_HOOK_REGISTERED
-    if _EXIT_HOOK_REGISTERED:
-        return
-    _EXIT_HOOK_REGISTERED = True
-
-    def destroy() -> None:
-        if dist.is_available() and dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - best effort at exit
-                pass
-
-    atexit.register(destroy)
 
 
 def _scaled_loss(output: Any, scale: float | None) -> Tensor | None:
