@@ -29,7 +29,7 @@ def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
 
 def test_configs_exist():
     names = {path.name for path in CONFIGS}
-    assert {"gpt_pp2.yaml", "gpt_pp2_timeline.yaml", "gpt_single.yaml"} <= names
+    assert {"gpt_pp2.yaml", "gpt_pp2_dp2.yaml", "gpt_pp2_timeline.yaml", "gpt_single.yaml"} <= names
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[path.stem for path in CONFIGS])
