@@ -278,23 +278,38 @@ def test_stages_in_different_steps_fail_clearly():
     assert driver.startswith("PipelineError")
 
 
-def _dying_stage(rank: int, world_size: int) -> dict:
-    import os
+def _timed_faulty_step(rank: int, timeout_s: float, pick_faulty_module) -> dict:
+    """One MLP step on 2 stages where ``pick_faulty_module(model, rank)`` returns (module, hook) to break, or None.
+
+    Returns the error this rank raised (or "no error") and how long the step took, in seconds.
+    """
     import time
 
     torch.manual_seed(0)
     model = MLPStack()
     transport = Transport(dist.new_group([0, 1]), torch.device("cpu"))
-    engine = PipelineEngine(transport, 2, timeout_s=20)
+    engine = PipelineEngine(transport, 2, timeout_s=timeout_s)
     engine.install(model, expand_placement(model, PLACEMENTS["mlp"]))
-    if rank == 1:
-        model.head.register_forward_pre_hook(lambda *_: os._exit(0))  # the process vanishes mid-step
+    fault = pick_faulty_module(model, rank)
+    if fault is not None:
+        module, hook = fault
+        module.register_forward_pre_hook(hook)
     start = time.monotonic()
     try:
         _one_step(engine, lambda mb, i: MLPStack.loss(model, mb), [MLPStack.batch()])
     except Exception as err:  # noqa: BLE001 - the test inspects the message
         return {"error": f"{type(err).__name__}: {err}", "seconds": time.monotonic() - start}
     return {"error": "no error", "seconds": time.monotonic() - start}
+
+
+def _vanish(*_):
+    import os
+
+    os._exit(0)  # the process vanishes mid-step
+
+
+def _dying_stage(rank: int, world_size: int) -> dict:
+    return _timed_faulty_step(rank, 20, lambda model, r: (model.head, _vanish) if r == 1 else None)
 
 
 def test_a_rank_that_dies_fails_the_others_with_its_name():
@@ -316,23 +331,19 @@ def test_a_rank_that_dies_fails_the_others_with_its_name():
     assert result["seconds"] < 20, "detected through the lost connection, before the timeout"
 
 
-def _stuck_stage(rank: int, world_size: int, stuck: int) -> dict:
+def _sleep_12_s(*_):
     import time
 
-    torch.manual_seed(0)
-    model = MLPStack()
-    transport = Transport(dist.new_group([0, 1]), torch.device("cpu"))
-    engine = PipelineEngine(transport, 2, timeout_s=3)
-    engine.install(model, expand_placement(model, PLACEMENTS["mlp"]))
-    if rank == stuck:  # alive (its connections stay open) but never answers within the timeout
-        module = model.layers[0] if stuck == 0 else model.head
-        module.register_forward_pre_hook(lambda *_: time.sleep(12))
-    start = time.monotonic()
-    try:
-        _one_step(engine, lambda mb, i: MLPStack.loss(model, mb), [MLPStack.batch()])
-    except Exception as err:  # noqa: BLE001 - the test inspects the message
-        return {"error": f"{type(err).__name__}: {err}", "seconds": time.monotonic() - start}
-    return {"error": "no error", "seconds": time.monotonic() - start}
+    time.sleep(12)  # alive (its connections stay open) but never answers within the timeout
+
+
+def _stuck_stage(rank: int, world_size: int, stuck: int) -> dict:
+    def fault(model, r):
+        if r != stuck:
+            return None
+        return (model.layers[0] if stuck == 0 else model.head), _sleep_12_s
+
+    return _timed_faulty_step(rank, 3, fault)
 
 
 @pytest.mark.parametrize("stuck", [0, 1], ids=["driver-stuck", "server-stuck"])

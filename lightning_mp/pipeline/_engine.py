@@ -713,7 +713,8 @@ class PipelineSession:
         except BaseException as err:
             where = self.engine.describe_stage(self.engine.stage)
             text = f"{where} failed running {fqn!r} for microbatch {envelope.microbatch}:\n{traceback.format_exc()}"
-            reply = self.envelope("error", envelope.call_id, str(err) if isinstance(err, PipelineError) else text, envelope.microbatch)
+            body = str(err) if isinstance(err, PipelineError) else text
+            reply = self.envelope("error", envelope.call_id, body, envelope.microbatch)
         self._send_quietly(reply, peer, envelope.microbatch)
         with self._lock:
             self._serving -= 1

@@ -82,8 +82,7 @@ class ComputeToken:
         self.on_release: Callable[[float], None] | None = None
         self.order: GrantOrder | None = None
         self._decided: collections.deque[Hashable] = collections.deque()
-        self._head_since: float | None = None
-        self._grantless_since: float | None = None  # follower: since when tasks wait here and no grant came
+        self._stalled: tuple[str, float] | None = None  # follower: (which stall, since when), see below
         self._leader_done = False
 
     def leader_done(self) -> None:
@@ -119,48 +118,45 @@ class ComputeToken:
         return bool(self._decided) and self._decided[0] == entry[3]
 
     def _check_follower_stalled(self) -> None:
-        """Raise if the leader's next task has not arrived here within the timeout."""
+        """Follower: raise once one stall has lasted the timeout (or at once if the leader finished without us)."""
         if self.order is None or self.order.is_leader:
             return
-        if not self._decided:
-            self._head_since = None
-            if self._leader_done and self._queue:
-                raise OrderDivergedError(
-                    f"This rank has task {self._queue[0][3]!r} to run, but the order leader finished the step"
-                    " without it. Ranks that share an execution order must make the same module calls."
-                )
-            self._raise_if_no_grant()
+        stall = self._follower_stall()
+        if stall is None:
+            self._stalled = None
             return
-        self._grantless_since = None
-        head = self._decided[0]
-        if any(entry[3] == head for entry in self._queue):
-            self._head_since = None
-            return
+        kind, message = stall
         now = time.monotonic()
-        if self._head_since is None:
-            self._head_since = now
-        elif now - self._head_since > self.order.timeout_s:
-            raise OrderDivergedError(
-                f"The order leader ran task {head!r} next, but it did not arrive on this rank within"
-                f" {self.order.timeout_s:.0f} s. Ranks that share an execution order (one tensor-parallel group, or"
-                " one stage of several data-parallel replicas with `deterministic_order=True`) must make the same"
-                " module calls; data-dependent control flow that differs between them cannot be ordered."
-            )
+        if self._stalled is None or self._stalled[0] != kind:
+            self._stalled = (kind, now)
+        elif now - self._stalled[1] > self.order.timeout_s:
+            raise OrderDivergedError(message)
 
-    def _raise_if_no_grant(self) -> None:
-        """Follower: raise if tasks waited here for the timeout while the leader granted nothing (it is stuck)."""
-        if not self._queue or self._holder is not None:
-            self._grantless_since = None
-            return
-        now = time.monotonic()
-        if self._grantless_since is None:
-            self._grantless_since = now
-        elif now - self._grantless_since > self.order.timeout_s:
-            raise OrderDivergedError(
-                f"This rank has task {self._queue[0][3]!r} ready, but the order leader granted nothing for"
-                f" {self.order.timeout_s:.0f} s: it is stuck or gone, or it waits for work that this rank never"
-                " sends it. Ranks that share an execution order must make the same module calls."
+    def _follower_stall(self) -> tuple[str, str] | None:
+        """What keeps this follower from progressing, as (kind, error message), or None (lock held)."""
+        timeout = f"{self.order.timeout_s:.0f} s"
+        if self._decided:
+            head = self._decided[0]
+            if any(entry[3] == head for entry in self._queue):
+                return None
+            return "missing", (
+                f"The order leader ran task {head!r} next, but it did not arrive on this rank within {timeout}."
+                " Ranks that share an execution order (one tensor-parallel group, or one stage of several"
+                " data-parallel replicas with `deterministic_order=True`) must make the same module calls;"
+                " data-dependent control flow that differs between them cannot be ordered."
             )
+        if not self._queue or self._holder is not None:
+            return None
+        if self._leader_done:
+            raise OrderDivergedError(
+                f"This rank has task {self._queue[0][3]!r} to run, but the order leader finished the step"
+                " without it. Ranks that share an execution order must make the same module calls."
+            )
+        return "no grant", (
+            f"This rank has task {self._queue[0][3]!r} ready, but the order leader granted nothing for {timeout}:"
+            " it is stuck or gone, or it waits for work that this rank never sends it. Ranks that share an"
+            " execution order must make the same module calls."
+        )
 
     def acquire(self, priority: Priority, key: Hashable = None) -> None:
         """Block until this thread holds the token.
@@ -190,7 +186,7 @@ class ComputeToken:
             heapq.heapify(self._queue)
             if self.order is not None and not self.order.is_leader:
                 self._decided.popleft()
-                self._head_since = self._grantless_since = None
+                self._stalled = None
             self._holder = me
             self._since = time.perf_counter()
         if self.order is not None and self.order.is_leader:
