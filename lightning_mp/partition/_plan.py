@@ -61,11 +61,15 @@ class PartitionPlan:
         stage_of: every module FQN of the trace -> stage in ``[0, num_stages)``.
         stage_costs: normalised cost (compute and memory, weighted as planned) per stage; sums to
             about 1 (all zeros for a model without FLOPs and parameters).
+        ordered_state: FQNs of the modules whose traced forward wrote their own buffers (BatchNorm
+            running statistics); the engine updates them in microbatch order. ``None`` when unknown
+            (a plan saved before this was recorded): then every module with buffers is treated so.
     """
 
     num_stages: int
     stage_of: dict[str, int]
     stage_costs: tuple[float, ...]
+    ordered_state: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_costs", tuple(float(c) for c in self.stage_costs))
@@ -135,11 +139,14 @@ class PartitionPlan:
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as plain JSON-able data; :meth:`from_dict` reverses it."""
-        return {
+        data: dict[str, Any] = {
             "num_stages": self.num_stages,
             "stage_of": dict(self.stage_of),
             "stage_costs": list(self.stage_costs),
         }
+        if self.ordered_state is not None:
+            data["ordered_state"] = list(self.ordered_state)
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PartitionPlan:
@@ -157,6 +164,7 @@ class PartitionPlan:
             num_stages=int(data["num_stages"]),
             stage_of={str(fqn): int(stage) for fqn, stage in data["stage_of"].items()},
             stage_costs=tuple(float(c) for c in data["stage_costs"]),
+            ordered_state=tuple(data["ordered_state"]) if data.get("ordered_state") is not None else None,
         )
 
 
@@ -204,6 +212,7 @@ def plan(
     _check_stage(default_partition, num_stages, f"default_partition={default_partition!r}")
     if manual:
         _check_manual(trace, manual, num_stages)
+        manual = _with_aliases(trace, manual)
     costs = _CostModel(trace, memory_weight, optimizer_state_factor)
     if auto_partition:
         stage_of = _auto_stages(costs, num_stages)
@@ -214,7 +223,8 @@ def plan(
         stage_of = _apply_manual(trace, stage_of, manual)
     _check_shared_groups(trace, stage_of)
     _check_no_empty_stage(stage_of, num_stages)
-    return PartitionPlan(num_stages, stage_of, _stage_costs(costs, stage_of, num_stages))
+    ordered_state = tuple(fqn for fqn, record in trace.modules.items() if record.updates_buffers)
+    return PartitionPlan(num_stages, stage_of, _stage_costs(costs, stage_of, num_stages), ordered_state)
 
 
 # ----------------------------------------------------------------------------- cost model
@@ -575,6 +585,24 @@ def _check_manual(trace: ModelTrace, manual: Mapping[str, int], num_stages: int)
             f"manual placement puts the root module ('') on stage {manual[_ROOT]}; the root runs "
             "the training step and always stays on stage 0; place its children instead"
         )
+
+
+def _with_aliases(trace: ModelTrace, manual: Mapping[str, int]) -> dict[str, int]:
+    """A placement of one name of a module object places all its names (``self.lin1 = self.lin0``)."""
+    expanded = dict(manual)
+    for group in trace.alias_groups:
+        named = [fqn for fqn in group if fqn in manual]
+        if not named:
+            continue
+        stages = {manual[fqn] for fqn in named}
+        if len(stages) > 1:
+            raise ValueError(
+                f"manual placement puts one module, registered as {named}, on stages {sorted(stages)}; a module"
+                " object runs on one stage: name one of its names only"
+            )
+        for fqn in group:
+            expanded.setdefault(fqn, manual[named[0]])
+    return expanded
 
 
 def _apply_manual(

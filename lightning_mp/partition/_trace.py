@@ -43,6 +43,9 @@ class ModuleRecord:
             leaf module leaves alive for backward).
         time_s: inclusive wall time of all its calls in seconds, measured in a second, untraced run;
             ``None`` unless :func:`trace` was asked to ``measure_time``.
+        updates_buffers: whether a call wrote one of the module's own buffers (``recurse=False``),
+            e.g. a BatchNorm's running statistics in training mode, seen from the buffers' version
+            counters and (off the meta device) their values.
     """
 
     fqn: str
@@ -55,6 +58,7 @@ class ModuleRecord:
     num_params: int = 0
     activation_bytes: int = 0
     time_s: float | None = None
+    updates_buffers: bool = False
 
 
 @dataclass
@@ -69,12 +73,16 @@ class ModelTrace:
             groups in ``named_modules`` order. Shared buffers do not form groups.
         total_flops: FLOPs of the whole traced run, including work outside any module (for
             example a loss computed in ``training_step``).
+        alias_groups: groups of FQNs that name one and the same module object
+            (``self.lin1 = self.lin0``, and the submodules under both names), in
+            ``named_modules`` order; a placement of one name places them all.
     """
 
     modules: dict[str, ModuleRecord]
     shared_groups: list[list[str]] = field(default_factory=list)
     total_flops: float = 0.0
     total_time_s: float | None = None
+    alias_groups: list[list[str]] = field(default_factory=list)
 
     @property
     def timed(self) -> bool:
@@ -82,7 +90,9 @@ class ModelTrace:
         return self.total_time_s is not None
 
 
-def trace(model: nn.Module, run: Callable[[], Any], *, measure_time: bool = False) -> ModelTrace:
+def trace(
+    model: nn.Module, run: Callable[[], Any], *, measure_time: bool = False, grad_enabled: bool = False
+) -> ModelTrace:
     """Runs ``run()`` once and records the module tree, call order, FLOPs and bytes of ``model``.
 
     With ``measure_time`` (SMP's ``trace_execution_times``), ``run()`` runs twice more without the FLOP
@@ -91,13 +101,18 @@ def trace(model: nn.Module, run: Callable[[], Any], *, measure_time: bool = Fals
 
     Forward pre/post hooks are registered on every module of ``model`` for the duration of the
     run and removed afterwards, also when the run fails. ``run()`` is called under
-    ``torch.no_grad()`` and :class:`~torch.utils.flop_counter.FlopCounterMode`; it may be any
-    callable that exercises the model, for example ``lambda: module.training_step(batch, 0)``,
-    so the root itself need not be called as a module. Tensors may live on the ``meta`` device.
+    :class:`~torch.utils.flop_counter.FlopCounterMode`, with autograd recording only if
+    ``grad_enabled`` (a training step takes its training code path: ``nn.TransformerEncoder``'s
+    fast path, for one, runs only without gradients); it may be any callable that exercises the
+    model, for example ``lambda: module.training_step(batch, 0)``, so the root itself need not be
+    called as a module. Tensors may live on the ``meta`` device. The caller sets the modules'
+    train/eval mode and restores whatever state the run changes (buffers, random generators).
 
     Args:
-        model: the model to trace; it is not modified.
+        model: the model to trace; its parameters are not modified.
         run: a callable without arguments that calls the model; its result is discarded.
+        measure_time: also measure per-module wall times (see above).
+        grad_enabled: run with autograd recording, as a training step does.
 
     Returns:
         The :class:`ModelTrace` of ``model``.
@@ -109,25 +124,26 @@ def trace(model: nn.Module, run: Callable[[], Any], *, measure_time: bool = Fals
     recorder = _CallRecorder(records)
     handles = _register_hooks(model, recorder)
     try:
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        with torch.set_grad_enabled(grad_enabled), FlopCounterMode(display=False) as counter:
             recorder.counter = counter
             _run_user_code(run)
         total_flops = float(counter.get_total_flops())
     finally:
         for handle in handles:
             handle.remove()
-    total_time_s = _measure_times(model, run, records) if measure_time else None
+    total_time_s = _measure_times(model, run, records, grad_enabled) if measure_time else None
     return ModelTrace(
         modules=records,
         shared_groups=_shared_groups(model),
         total_flops=total_flops,
         total_time_s=total_time_s,
+        alias_groups=_alias_groups(model),
     )
 
 
-def _measure_times(model: nn.Module, run: Callable[[], Any], records: dict[str, ModuleRecord]) -> float:
+def _measure_times(model: nn.Module, run: Callable[[], Any], records: dict[str, ModuleRecord], grad_enabled: bool) -> float:
     """Inclusive wall time per module from one timed run after a warm-up (both without the FLOP counter)."""
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad_enabled):
         _run_user_code(run)  # warm-up: allocator, kernels, lazy initialisation
     started: dict[str, list[float]] = {fqn: [] for fqn in records}
     for record in records.values():
@@ -138,7 +154,7 @@ def _measure_times(model: nn.Module, run: Callable[[], Any], records: dict[str, 
             handles.append(module.register_forward_pre_hook(lambda m, a, fqn=fqn: started[fqn].append(time.perf_counter())))
             handles.append(module.register_forward_hook(lambda m, a, o, fqn=fqn: _add_time(records[fqn], started[fqn])))
         begin = time.perf_counter()
-        with torch.no_grad():
+        with torch.set_grad_enabled(grad_enabled):
             _run_user_code(run)
         return time.perf_counter() - begin
     finally:
@@ -167,11 +183,7 @@ def _run_user_code(run: Callable[[], Any]) -> None:
     try:
         run()
     except Exception as exc:
-        raise RuntimeError(
-            f"tracing the model failed: the traced run raised {type(exc).__name__}: {exc}. "
-            "Partitioning runs the model once (a training step on one microbatch, under "
-            "torch.no_grad()); make that step run on a single process first."
-        ) from exc
+        raise RuntimeError(f"tracing the model failed: the traced run raised {type(exc).__name__}: {exc}") from exc
 
 
 def _parent_of(fqn: str) -> str | None:
@@ -221,11 +233,13 @@ class _CallRecorder:
         self.counter: FlopCounterMode | None = None
         self._next_call = 0
         self._flops_at_entry: list[int] = []
+        self._versions_at_entry: list[list[tuple[torch.Tensor, int, torch.Tensor | None]]] = []
 
     def _total(self) -> int:
         return self.counter.get_total_flops() if self.counter is not None else 0
 
-    def enter(self, fqn: str) -> None:
+    def enter(self, fqn: str, module: nn.Module) -> None:
+        self._versions_at_entry.append([(b, b._version, _value_copy(b)) for b in module.buffers(recurse=False)])
         record = self.records[fqn]
         if record.first_call is None:
             record.first_call = self._next_call
@@ -233,10 +247,23 @@ class _CallRecorder:
         record.num_calls += 1
         self._flops_at_entry.append(self._total())
 
-    def exit(self, fqn: str, output: Any) -> None:
+    def exit(self, fqn: str, module: nn.Module, output: Any) -> None:
+        versions = self._versions_at_entry.pop()
         record = self.records[fqn]
+        if any(_written(b, version, copy) for b, version, copy in versions):
+            record.updates_buffers = True
         record.flops += float(self._total() - self._flops_at_entry.pop())
         record.activation_bytes += _output_bytes(output)
+
+
+def _value_copy(buffer: torch.Tensor) -> torch.Tensor | None:
+    """A copy to compare values with after the call (``None`` on meta: only the version counter tells there)."""
+    return None if buffer.is_meta else buffer.detach().clone()
+
+
+def _written(buffer: torch.Tensor, version: int, copy: torch.Tensor | None) -> bool:
+    """Whether a call wrote ``buffer``: its version moved, or (kernels that skip the bump) its values did."""
+    return buffer._version != version or (copy is not None and not torch.equal(buffer, copy))
 
 
 def _register_hooks(model: nn.Module, recorder: _CallRecorder) -> list[Any]:
@@ -255,16 +282,23 @@ def _register_hooks(model: nn.Module, recorder: _CallRecorder) -> list[Any]:
 
 def _pre_hook(recorder: _CallRecorder, fqn: str) -> Callable[..., None]:
     def hook(module: nn.Module, args: Any) -> None:
-        recorder.enter(fqn)
+        recorder.enter(fqn, module)
 
     return hook
 
 
 def _post_hook(recorder: _CallRecorder, fqn: str) -> Callable[..., None]:
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        recorder.exit(fqn, output)
+        recorder.exit(fqn, module, output)
 
     return hook
+
+
+def _alias_groups(model: nn.Module) -> list[list[str]]:
+    names: dict[int, list[str]] = {}
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), []).append(fqn)
+    return [group for group in names.values() if len(group) > 1]
 
 
 def _shared_groups(model: nn.Module) -> list[list[str]]:

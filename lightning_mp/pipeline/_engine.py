@@ -36,7 +36,10 @@ import torch
 from torch import nn
 
 from lightning_mp.comm import Message, Transport, connect_remote_outputs, pack
+from lightning_mp.pipeline._grads import OrderedGradients
+from lightning_mp.pipeline._rng import MicrobatchRNG
 from lightning_mp.pipeline._scheduler import ComputeToken, GrantOrder, Priority
+from lightning_mp.pipeline._state import OrderedStateUpdates
 from lightning_mp.pipeline._timeline import TimelineRecorder
 
 __all__ = ["PipelineEngine", "PipelineError", "PipelineSession"]
@@ -92,6 +95,11 @@ _current = threading.local()
 
 def _current_task() -> _Task | None:
     return getattr(_current, "task", None)
+
+
+def _current_microbatch() -> int | None:
+    task = _current_task()
+    return None if task is None else task.microbatch
 
 
 @contextmanager
@@ -165,6 +173,8 @@ class PipelineEngine:
         order_transport: messages over the ranks that must run this stage's tasks in one order (the same stage of
             every data-parallel replica and tensor-parallel rank); its group rank 0 leads. ``None`` or a group of
             one: this rank orders its tasks alone. See [Note: deterministic order] in ``_scheduler.py``.
+        seed: base seed of the per-microbatch random streams ([Note: microbatch RNG streams] in ``_rng.py``); the
+            same on every rank. ``None``: ``torch.initial_seed()``.
     """
 
     def __init__(
@@ -178,6 +188,7 @@ class PipelineEngine:
         forward_context: Callable[[], AbstractContextManager] = nullcontext,
         global_ranks: Sequence[int] | None = None,
         order_transport: Transport | None = None,
+        seed: int | None = None,
     ) -> None:
         self.transport = transport
         self.order_transport = order_transport if order_transport is not None and order_transport.size > 1 else None
@@ -193,6 +204,10 @@ class PipelineEngine:
         self._session: PipelineSession | None = None
         self._call_ids = itertools.count()
         self._sessions = itertools.count()
+        self._step_names: dict[str, int] = {}
+        self.rng = MicrobatchRNG(torch.initial_seed() if seed is None else seed)
+        self.state_updates = OrderedStateUpdates(forward_context)
+        self.gradients = OrderedGradients(_current_microbatch)
         self.timeline = TimelineRecorder()
         """Off by default; ``timeline.start()`` records every compute span and message (see ``_timeline.py``)."""
 
@@ -205,13 +220,18 @@ class PipelineEngine:
 
     # ---- placement -------------------------------------------------------------------------------------------
 
-    def install(self, model: nn.Module, stage_of: Mapping[str, int]) -> None:
+    def install(self, model: nn.Module, stage_of: Mapping[str, int], ordered_state: Sequence[str] | None = None) -> None:
         """Keep this stage's modules, free every other module's own parameters and buffers, stub their calls.
 
         Module FQNs, the tree and the local parameters stay where they were, so ``model.state_dict()`` on a
         rank holds exactly its own parameters under their original names. A module with no parameters in its
         whole subtree (activations, dropout, pooling, ...) is stateless: it stays on every rank and runs where it
         is called, which never costs a transfer (its input is already there).
+
+        Every local module call that may run on another stage on some layout gets its own random stream ([Note:
+        microbatch RNG streams]); with several stages, the modules named in ``ordered_state`` (those whose forward
+        writes their own buffers; ``None``: every module with buffers) update them in microbatch order ([Note:
+        ordered module state]).
 
         Raises:
             ValueError: if ``stage_of`` misses a module, names a stage out of range, or puts one module object
@@ -241,6 +261,30 @@ class PipelineEngine:
         for fqn, module in modules:
             if self._stage_of[fqn] == self.stage and first_name[id(module)] == fqn:
                 _batch_sequential_runs(module, fqn, stage_of, stateful, self)
+        self._hook_calls(modules, first_name, stateful, ordered_state)
+        if self.num_stages > 1:  # one stage runs its microbatches one after the other anyway
+            self.gradients.register(p for p in model.parameters() if p is not None)
+
+    def _hook_calls(
+        self,
+        modules: list[tuple[str, nn.Module]],
+        first_name: Mapping[int, str],
+        stateful: set[int],
+        ordered_state: Sequence[str] | None,
+    ) -> None:
+        """Per-call random streams and ordered buffer updates on the modules that run here."""
+        in_sequential = {
+            id(child) for _, m in modules if isinstance(m, nn.Sequential) and id(m) in stateful for child in m.children()
+        }
+        ordered = set(ordered_state) if ordered_state is not None else None
+        for fqn, module in modules:
+            if first_name[id(module)] != fqn or self._stage_of[fqn] != self.stage:
+                continue
+            keyed = id(module) in stateful or id(module) in in_sequential
+            has_buffers = any(b is not None for b in module._buffers.values())
+            defer = self.num_stages > 1 and has_buffers and (ordered is None or fqn in ordered)
+            if keyed or defer:
+                _CallHooks(self, fqn, keyed, defer).register(module)
 
     def stage_of(self, fqn: str) -> int:
         return self._stage_of[fqn]
@@ -248,18 +292,26 @@ class PipelineEngine:
     # ---- sessions --------------------------------------------------------------------------------------------
 
     @contextmanager
-    def session(self, name: str = "step") -> Iterator[PipelineSession]:
+    def session(self, name: str = "step", rng_key: Any = None) -> Iterator[PipelineSession]:
         """One pipelined step on every stage of this replica. Every stage must enter it for the same step.
 
         Args:
             name: what the step runs (e.g. the hook name); with a per-engine counter it tags every message, and a
                 stage that receives a message of another step raises :class:`PipelineError` instead of mixing
                 steps (e.g. one rank in ``validation_step`` while another is in ``training_step``).
+            rng_key: names the step's random streams (e.g. hook, epoch, batch index): the same key gives the same
+                random numbers. ``None``: ``(name, how many steps of that name this engine ran before)``.
         """
         if self._session is not None:
             raise RuntimeError("A pipelined step is already running on this rank; steps cannot nest.")
         session = PipelineSession(self, f"{name}#{next(self._sessions)}")
+        if rng_key is None:
+            rng_key = (name, self._step_names.get(name, 0))
+            self._step_names[name] = rng_key[1] + 1
         self._session = session
+        self.rng.start_step(rng_key)
+        self.state_updates.start_step()
+        self.gradients.start_step()
         try:
             session.start()
             yield session
@@ -267,8 +319,14 @@ class PipelineEngine:
             session.abort(err)
             raise
         finally:
-            self._session = None
-            session.close()
+            try:
+                session.close()
+                if session._error is None:
+                    self.state_updates.end_step()
+                    self.gradients.end_step()
+            finally:
+                self._session = None
+                self.rng.end_step()
 
     def call_remote(self, fqn: str, stage: int, args: tuple, kwargs: dict, span: tuple[int, int] | None = None) -> Any:
         """Run module ``fqn`` on ``stage`` with ``args``/``kwargs``; the stub of every remote module calls this.
@@ -353,6 +411,44 @@ def _batch_sequential_runs(
     module.forward = MethodType(forward, module)
 
 
+_hook_frames = threading.local()  # per thread: what each pre-hook started, for its post-hook (calls nest)
+
+
+class _CallHooks:
+    """Forward hooks of one local module: its call's random stream and its deferred buffer updates."""
+
+    def __init__(self, engine: PipelineEngine, fqn: str, keyed: bool, defer: bool) -> None:
+        self.engine, self.fqn, self.keyed, self.defer = engine, fqn, keyed, defer
+
+    def register(self, module: nn.Module) -> None:
+        module.register_forward_pre_hook(self.pre, with_kwargs=True)
+        module.register_forward_hook(self.post, with_kwargs=True, always_call=True)
+
+    def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        frames = getattr(_hook_frames, "stack", None)
+        if frames is None:
+            frames = _hook_frames.stack = []
+        task = _current_task()
+        if task is None or self.engine._session is None:
+            frames.append(None)
+            return
+        if self.keyed:
+            self.engine.rng.enter(task.microbatch, self.fqn)
+        snapshot = self.engine.state_updates.before(module) if self.defer else None
+        frames.append((task, snapshot, args, kwargs))
+
+    def post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        frame = _hook_frames.stack.pop()
+        if frame is None:
+            return
+        task, snapshot, args, kwargs = frame
+        if snapshot is not None:
+            microbatch = task.microbatch if task.phase == _FORWARD else None  # recompute in backward: not again
+            self.engine.state_updates.after(module, snapshot, microbatch, args, kwargs)
+        if self.keyed:
+            self.engine.rng.exit()
+
+
 def _differentiable(tensor: torch.Tensor) -> bool:
     return tensor.is_floating_point() or tensor.is_complex()
 
@@ -392,6 +488,8 @@ class PipelineSession:
         self.transport = engine.transport
         self.peers = [s for s in range(engine.num_stages) if s != engine.stage]
         self.token = ComputeToken(self.raise_if_failed)
+        self.token.before_release = self._suspend_rng
+        self.token.after_acquire = self._resume_rng
         self.timeline = engine.timeline
         if self.timeline.enabled:
             self.token.on_release = self._record_compute
@@ -457,6 +555,17 @@ class PipelineSession:
                 self.fail(PipelineError(f"The order leader of this stage failed the step: {key}"))
                 return
             self.token.decide(key)
+
+    def _suspend_rng(self) -> None:
+        task = _current_task()
+        if task is not None:
+            self.engine.rng.suspend(task.ident)
+
+    def _resume_rng(self) -> None:
+        task = _current_task()
+        if task is not None:
+            phase = "forward" if task.phase == _FORWARD else "backward"
+            self.engine.rng.resume(task.ident, task.microbatch, f"{phase}:{task.label}")
 
     def _record_compute(self, since: float) -> None:
         task = _current_task()
@@ -578,6 +687,7 @@ class PipelineSession:
                         self.token.handover(self.priority(back), self.grant_key(back))
                     with _as_task(back):
                         try:
+                            self.engine.state_updates.finalize(index)
                             loss.backward()
                         finally:
                             self.token.release()
@@ -709,6 +819,7 @@ class PipelineSession:
                 if envelope.kind == "fwd":
                     reply = self._run_forward(envelope, message)
                 else:
+                    self.engine.state_updates.finalize(envelope.microbatch)
                     reply = self._run_backward(envelope)
         except BaseException as err:
             where = self.engine.describe_stage(self.engine.stage)

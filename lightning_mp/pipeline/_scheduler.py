@@ -66,6 +66,9 @@ class ComputeToken:
     Attributes:
         on_release: if set, called by the releasing thread with the ``time.perf_counter()`` at which it had
             acquired the token (the engine records compute spans for the timeline with it).
+        after_acquire: if set, called by a thread right after it took the token (before it computes).
+        before_release: if set, called by the holder right before it gives the token up (while no other thread
+            can compute), e.g. to save per-task state of process-wide objects (see [Note: microbatch RNG streams]).
     """
 
     def __init__(self, check_failed: Callable[[], None], poll_s: float = 0.5) -> None:
@@ -80,6 +83,8 @@ class ComputeToken:
         self._poll_s = poll_s
         self._since = 0.0
         self.on_release: Callable[[float], None] | None = None
+        self.after_acquire: Callable[[], None] | None = None
+        self.before_release: Callable[[], None] | None = None
         self.order: GrantOrder | None = None
         self._decided: collections.deque[Hashable] = collections.deque()
         self._stalled: tuple[str, float] | None = None  # follower: (which stall, since when), see below
@@ -191,9 +196,15 @@ class ComputeToken:
             self._since = time.perf_counter()
         if self.order is not None and self.order.is_leader:
             self.order.publish(key)
+        if self.after_acquire is not None:
+            self.after_acquire()
 
     def release(self) -> bool:
         """Give the token back if this thread holds it. Returns whether it did."""
+        if self._holder != threading.get_ident():  # only the holder itself changes a holder that is this thread
+            return False
+        if self.before_release is not None:
+            self.before_release()
         with self._lock:
             if self._holder != threading.get_ident():
                 return False

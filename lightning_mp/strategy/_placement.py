@@ -51,15 +51,8 @@ def make_plan(
         RuntimeError: if the model fails while being traced.
     """
     module = trainer.lightning_module
-    was_training = module.training
-    module.eval()  # no dropout or batch-norm statistic updates from the trace
-    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
-    try:
-        with torch.random.fork_rng(devices=devices):  # the sample and the trace leave the RNG as it was
-            model_trace = trace(module, _trace_run(trainer, config, to_device), measure_time=config.trace_execution_times)
-    finally:
-        module.train(was_training)
-        _reset_metrics(module)
+    model_trace = _trace_like_the_step(trainer, config, to_device)
+    _reset_metrics(module)
     stages = plan(
         model_trace,
         config.pipeline_parallel_degree,
@@ -71,6 +64,51 @@ def make_plan(
     if trainer.state.fn == TrainerFn.FITTING:
         _check_every_stage_has_parameters(stages, model_trace)
     return stages, model_trace
+
+
+def _trace_like_the_step(trainer: pl.Trainer, config: SMPConfig, to_device: Callable[[Any], Any]) -> ModelTrace:
+    """Trace one microbatch on the code path the trainer will run, leaving no trace of the trace.
+
+    A fit is traced in training mode with gradients (dropout, ``if self.training:`` branches, BatchNorm
+    statistics, no inference fast paths), evaluation in eval mode without; the random generators and every
+    buffer (running statistics) are restored afterwards, and the modules' train/eval flags too.
+    """
+    module = trainer.lightning_module
+    training = trainer.state.fn == TrainerFn.FITTING
+    modes = {m: m.training for m in module.modules()}
+    buffers = {id(b): (b, b.detach().clone()) for b in module.buffers()}
+    module.train(training)
+    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=devices):  # the sample and the trace leave the RNG as it was
+            return trace(
+                module,
+                _trace_run(trainer, config, to_device),
+                measure_time=config.trace_execution_times,
+                grad_enabled=training,
+            )
+    except RuntimeError as err:
+        raise RuntimeError(f"{err}.\n{_trace_hint(config)}") from err.__cause__
+    finally:
+        for m, was_training in modes.items():
+            m.training = was_training
+        with torch.no_grad():
+            for b, saved in buffers.values():
+                b.copy_(saved)
+
+
+def _trace_hint(config: SMPConfig) -> str:
+    split = (
+        f"Partitioning runs the step once on global rank 0, on the first microbatch of the first batch: every tensor"
+        f" of the batch split along dim 0 into `microbatches={config.microbatches}` parts."
+    )
+    return (
+        f"{split} If an entry must be given whole to every microbatch (e.g. a (T, T) mask or a table shared by all"
+        " rows), name it in `non_split_inputs` (dict keys, field names or tuple positions). Otherwise check that the"
+        " step runs on one process on a batch of that size."
+        if config.microbatches > 1
+        else f"{split} Check that the step runs on one process first."
+    )
 
 
 def _check_every_stage_has_parameters(stages: PartitionPlan, model_trace: ModelTrace) -> None:

@@ -14,7 +14,8 @@ agree on all ranks as with DDP.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,30 +37,40 @@ def detach_cpu(obj: Any) -> Any:
 @dataclass
 class _LogCall:
     name: str
-    values: list[Any]
+    values: list[tuple[int, Any]]  # (microbatch index, value)
     args: tuple
     kwargs: dict
 
 
 @dataclass
 class StepSummary:
-    """What the driver sends to every stage at the end of a step: the merged output and the logged values."""
+    """What the driver sends to every stage at the end of a step.
+
+    Attributes:
+        output: the merged, detached step output.
+        logs: the logged values, reduced over microbatches.
+        num_tokens: with token-weighted losses (see [Note: token-weighted losses]), the sum of the microbatches'
+            ``num_tokens``; every stage divides its gradients of the step by it. ``None`` otherwise.
+    """
 
     output: Any
     logs: list[tuple[str, Any, tuple, dict]] = field(default_factory=list)
+    num_tokens: float | None = None
 
 
 class LogRecorder:
     """Capture ``LightningModule.log`` calls during a pipelined step (see [Note: pipelined step in Lightning]).
 
     While active, ``module.log`` (and so ``log_dict``) records instead of logging. :meth:`reduced` gives one
-    value per name: the mean over microbatches (or the ``reduce_fx`` the call asked for: sum, max, min).
+    value per name: the mean over microbatches (or the ``reduce_fx`` the call asked for: sum, max, min), reduced
+    in microbatch order whatever order the microbatches ran in.
     """
 
     def __init__(self, module: nn.Module) -> None:
         self._module = module
         self._lock = threading.Lock()
         self._calls: dict[str, _LogCall] = {}
+        self._local = threading.local()
 
     def __enter__(self) -> LogRecorder:
         self._module.log = self._record  # instance attribute shadows the method
@@ -68,22 +79,42 @@ class LogRecorder:
     def __exit__(self, *exc: Any) -> None:
         del self._module.log
 
+    @contextmanager
+    def microbatch(self, index: int) -> Iterator[None]:
+        """Values logged by this thread in the body belong to microbatch ``index``."""
+        self._local.index = index
+        try:
+            yield
+        finally:
+            self._local.index = None
+
     def _record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         value = _loggable_value(value)
+        index = getattr(self._local, "index", None)
         with self._lock:
             call = self._calls.setdefault(name, _LogCall(name, [], args, kwargs))
-            call.values.append(value)
+            call.values.append((len(call.values) if index is None else index, value))
 
-    def reduced(self) -> list[tuple[str, Any, tuple, dict]]:
-        """``(name, value, args, kwargs)`` per logged name, in first-call order, values reduced over microbatches."""
+    def reduced(self, weights: list[float] | None = None) -> list[tuple[str, Any, tuple, dict]]:
+        """``(name, value, args, kwargs)`` per logged name, in first-call order, values reduced over microbatches.
+
+        Args:
+            weights: per-microbatch weights of mean-reduced values (token weighting: ``num_tokens`` of each
+                microbatch); ``None``: a plain mean. Weights are normalised over the microbatches that logged a name.
+        """
         logs = []
         for call in self._calls.values():
             reduce_fx = call.kwargs.get("reduce_fx", "mean")
-            reducer = _REDUCERS.get(reduce_fx if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", ""))
-            if reducer is None:
-                reducer = torch.mean
-            stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in call.values])
-            value = reducer(stacked)
+            name = reduce_fx if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", "")
+            reducer = _REDUCERS.get(name, torch.mean)
+            ordered = sorted(call.values, key=lambda item: item[0])  # stable: a microbatch's own calls keep order
+            stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64) for _, v in ordered])
+            if reducer is torch.mean and weights is not None:
+                w = torch.tensor([weights[i] for i, _ in ordered], dtype=torch.float64)
+                w = w.reshape(-1, *([1] * (stacked.dim() - 1)))
+                value = (stacked * w).sum(0) / w.sum() if w.sum() > 0 else stacked.mean(0)
+            else:
+                value = reducer(stacked, 0) if reducer is not torch.mean else stacked.mean(0)
             if isinstance(value, tuple):  # torch.max/min over a dim return (values, indices)
                 value = value[0]
             logs.append((call.name, value.to(torch.float32), call.args, call.kwargs))
@@ -137,6 +168,11 @@ class GradientStash:
                 self._pipeline[p] = p.grad
             p.grad = previous
         self._previous = {}
+
+    def scale(self, factor: float) -> None:
+        """Multiply the step's gradients (not the ones from before it) by ``factor``, in place."""
+        for grad in self._pipeline.values():
+            grad.mul_(factor)
 
     def apply(self) -> None:
         """Accumulate the step's gradients into ``.grad``, as ``loss.backward()`` would have."""

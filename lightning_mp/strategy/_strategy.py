@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from datetime import timedelta
 from functools import partial
@@ -294,6 +295,7 @@ class SMPStrategy(ParallelStrategy):
             forward_context=self.precision_plugin.forward_context,
             global_ranks=topology.pp_group_ranks(),
             order_transport=self._build_order_transport(),
+            seed=int(os.environ.get("PL_GLOBAL_SEED", torch.initial_seed())),
         )
 
     def _build_order_transport(self) -> Transport | None:
@@ -396,7 +398,7 @@ class SMPStrategy(ParallelStrategy):
                 )
                 module.example_input_array = None
         assert self._engine is not None
-        self._engine.install(module, self._plan.stage_of)
+        self._engine.install(module, self._plan.stage_of, self._plan.ordered_state)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -413,59 +415,76 @@ class SMPStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = self.lightning_module.trainer
-        scale = self.config.microbatches * trainer.accumulate_grad_batches
         params = list(self.model.parameters())
         self._grads.begin(params)
         try:
-            output = self._pipelined_step(
-                "training_step", self.precision_plugin.train_step_context, args, kwargs, loss_scale=scale
+            summary = self._pipelined_step(
+                "training_step",
+                self.precision_plugin.train_step_context,
+                args,
+                kwargs,
+                loss_scale=(self.config.microbatches, trainer.accumulate_grad_batches),
             )
         finally:
             self._grads.end()
-        return output
+        if summary.num_tokens:  # see [Note: token-weighted losses]
+            self._grads.scale(1.0 / summary.num_tokens)
+        return _to_device(summary.output, self.root_device)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._pipelined_step("validation_step", self.precision_plugin.val_step_context, args, kwargs)
+        summary = self._pipelined_step("validation_step", self.precision_plugin.val_step_context, args, kwargs)
+        return _to_device(summary.output, self.root_device)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._pipelined_step("test_step", self.precision_plugin.test_step_context, args, kwargs)
+        summary = self._pipelined_step("test_step", self.precision_plugin.test_step_context, args, kwargs)
+        return _to_device(summary.output, self.root_device)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._pipelined_step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+        summary = self._pipelined_step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+        return _to_device(summary.output, self.root_device)
 
     def _pipelined_step(
-        self, hook: str, context: Any, args: tuple, kwargs: dict, loss_scale: float | None = None
-    ) -> Any:
-        """Run ``hook`` per microbatch through the pipeline; every rank returns the merged, detached output."""
+        self, hook: str, context: Any, args: tuple, kwargs: dict, loss_scale: tuple[int, int] | None = None
+    ) -> StepSummary:
+        """Run ``hook`` per microbatch through the pipeline; every rank gets the step's summary.
+
+        ``loss_scale=(microbatches, accumulate_grad_batches)`` makes it a training step (backward per microbatch).
+        """
         assert self._engine is not None
         module = self.lightning_module
         batch, rest = args[0], args[1:]
         microbatches = self._split(batch, training=loss_scale is not None)
         step = getattr(module, hook)
+        recorder = LogRecorder(module)
 
         def step_fn(microbatch: Any, index: int) -> Any:
-            with context():
+            with recorder.microbatch(index), context():
                 return step(microbatch, *rest, **kwargs)
 
-        with self._engine.session(hook) as session:
+        with self._engine.session(hook, rng_key=self._rng_key(hook, rest)) as session:
             if self._engine.is_driver:
-                with LogRecorder(module) as recorder:
+                with recorder:
                     outputs = session.drive(
                         step_fn,
                         microbatches,
                         loss_fn=partial(_scaled_loss, scale=loss_scale),
                         backward=loss_scale is not None,
                     )
-                summary = StepSummary(merge_microbatches([detach_cpu(o) for o in outputs]), recorder.reduced())
+                summary = _summarize(outputs, recorder)
                 session.finish(summary)
             else:
                 summary = session.serve()
         dp_group = self.device_mesh.get_group(MeshAxis.DP.value) if self.topology.pipeline_parallel_degree > 1 else None
         replay_logs(module, summary.logs, dp_group)
-        return _to_device(summary.output, self.root_device)
+        return summary
+
+    def _rng_key(self, hook: str, rest: tuple) -> tuple:
+        """The step's name for its random streams: the same on every rank, layout and run (and after a resume)."""
+        trainer = self.lightning_module.trainer
+        return (hook, trainer.current_epoch, trainer.global_step, tuple(a for a in rest if isinstance(a, int)))
 
     def _split(self, batch: Any, training: bool) -> list[Any]:
         """Split on every rank (all stages hold the batch), so a bad batch fails everywhere before any message."""
@@ -591,16 +610,64 @@ class SMPStrategy(ParallelStrategy):
         )
 
 
-def _scaled_loss(output: Any, scale: float | None) -> Tensor | None:
-    """The tensor a microbatch backpropagates: its loss / (microbatches x accumulate_grad_batches)."""
+# [Note: token-weighted losses] A loss that is a mean over a data-dependent count (tokens with ``labels != -100``
+# in a masked LM, unpadded positions) is not the mean of its microbatches' means: one process divides the sum over
+# the batch by the batch's count. A step may therefore return ``{"loss": mean, "num_tokens": n}``, ``mean`` being
+# the mean over the microbatch's ``n`` counted elements (as Megatron's ``calculate_per_token_loss`` and torchtitan's
+# global token normalisation). Each microbatch then backpropagates ``mean * n / accumulate_grad_batches`` (its sum),
+# and once every microbatch is done each stage divides the step's gradients by the batch's total ``n`` (sent to it
+# with the step summary), so gradients, the returned loss and mean-reduced logged values all weigh microbatches by
+# ``n / sum(n)``: one process's maths on the batch. A microbatch with ``n == 0`` runs no backward. Without
+# ``num_tokens`` the loss is the mean of the microbatch losses. Data-parallel replicas then average their
+# gradients as under ``ddp`` (each replica's batch is normalised by its own count).
+
+
+def _num_tokens(output: Any) -> float | None:
+    if isinstance(output, Mapping) and "num_tokens" in output:
+        n = output["num_tokens"]
+        n = float(n.item() if isinstance(n, Tensor) else n)
+        if n < 0:
+            raise ValueError(f"A step returned num_tokens={n}; it must count elements, >= 0.")
+        return n
+    return None
+
+
+def _scaled_loss(output: Any, scale: tuple[int, int] | None) -> Tensor | None:
+    """The tensor a microbatch backpropagates: loss / (microbatches x accumulate), or loss x n / accumulate."""
     if scale is None or output is None:
         return None
+    microbatches, accumulate = scale
     loss = output.get("loss") if isinstance(output, Mapping) else output
     if not isinstance(loss, Tensor):
         raise TypeError(
             f"training_step must return a loss tensor or a dict with 'loss' under the 'smp' strategy, got {type(loss).__name__}."
         )
-    return loss / scale
+    n = _num_tokens(output)
+    if n is None:
+        return loss / (microbatches * accumulate)
+    return None if n == 0 else loss * (n / accumulate)
+
+
+def _summarize(outputs: list[Any], recorder: LogRecorder) -> StepSummary:
+    """Merge the microbatch outputs and logged values; token-weighted when the step returns ``num_tokens``."""
+    counts = [_num_tokens(o) for o in outputs]
+    if all(n is None for n in counts):
+        return StepSummary(merge_microbatches([detach_cpu(o) for o in outputs]), recorder.reduced())
+    if any(n is None for n in counts):
+        raise ValueError(
+            "Some microbatches returned `num_tokens` and others did not; a step that weights its loss by tokens must"
+            " return {'loss': ..., 'num_tokens': ...} for every microbatch."
+        )
+    total = sum(counts)
+    merged = merge_microbatches([detach_cpu(o) for o in outputs])
+    losses = [detach_cpu(o["loss"]).to(torch.float64) for o in outputs]
+    if total > 0:
+        weighted = sum(loss * n for loss, n in zip(losses, counts) if n > 0) / total
+    else:
+        weighted = torch.tensor(float("nan"), dtype=torch.float64)
+    dtype = outputs[0]["loss"].dtype
+    merged["loss"] = weighted.to(dtype if dtype.is_floating_point else torch.float32)
+    return StepSummary(merged, recorder.reduced(weights=counts), num_tokens=total)
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:

@@ -1,0 +1,88 @@
+"""Gradients of the microbatches of a step are summed in microbatch order, whatever order their backwards ran in.
+
+[Note: ordered gradient accumulation] Float addition is not associative, so ``((g0 + g1) + g2)`` and
+``((g0 + g2) + g1)`` differ in the last bits. On one process microbatches accumulate in order; a pipeline stage runs
+the backwards of several microbatches in the order they become ready, which can change from run to run (a tied
+embedding on stage 0 accumulates when each microbatch's backward returns from stage 1). So each local parameter
+gets a gradient hook: a microbatch's contribution is accumulated at once when every earlier microbatch has already
+contributed to that parameter, and otherwise kept aside (autograd accumulates zeros instead) and added as soon as
+the earlier ones have come, or at the end of the step. In the common case (backwards in order) nothing is kept;
+a contribution kept aside costs one gradient-sized buffer until its turn. The result is the in-order sum, so
+same-seed runs are bitwise equal and so are pipeline degrees.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = ["OrderedGradients"]
+
+
+@dataclass
+class _Order:
+    seen: set[int] = field(default_factory=set)
+    prefix: int = 0  # every microbatch below this one has contributed
+    kept: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+
+
+class OrderedGradients:
+    """In-microbatch-order gradient accumulation for a set of parameters (see [Note: ordered gradient accumulation]).
+
+    Args:
+        current_microbatch: the microbatch whose backward the calling thread runs (``None`` outside a step).
+    """
+
+    def __init__(self, current_microbatch: Callable[[], int | None]) -> None:
+        self._current = current_microbatch
+        self._lock = threading.Lock()
+        self._orders: dict[nn.Parameter, _Order] = {}
+
+    def register(self, params: Iterable[nn.Parameter]) -> None:
+        for param in params:
+            if param in self._orders or not param.requires_grad:
+                continue
+            self._orders[param] = _Order()
+            param.register_hook(self._incoming(param))
+            param.register_post_accumulate_grad_hook(self._accumulated)
+
+    def start_step(self) -> None:
+        with self._lock:
+            for param in self._orders:
+                self._orders[param] = _Order()
+
+    def end_step(self) -> None:
+        """Add what is still kept aside, in microbatch order (some earlier microbatch never reached the parameter)."""
+        with self._lock:
+            for param, order in self._orders.items():
+                for microbatch in sorted(order.kept):
+                    for grad in order.kept[microbatch]:
+                        param.grad = grad if param.grad is None else param.grad.add_(grad)
+                self._orders[param] = _Order()
+
+    def _incoming(self, param: nn.Parameter) -> Callable[[torch.Tensor], torch.Tensor | None]:
+        def hook(grad: torch.Tensor) -> torch.Tensor | None:
+            microbatch = self._current()
+            if microbatch is None:
+                return None
+            with self._lock:
+                order = self._orders[param]
+                order.seen.add(microbatch)
+                if microbatch <= order.prefix:
+                    return None  # in order: autograd accumulates it now
+                order.kept.setdefault(microbatch, []).append(grad)
+            return torch.zeros_like(grad)
+
+        return hook
+
+    def _accumulated(self, param: nn.Parameter) -> None:
+        with self._lock:
+            order = self._orders[param]
+            while order.prefix in order.seen:
+                for grad in order.kept.pop(order.prefix, []):
+                    param.grad.add_(grad)
+                order.prefix += 1
