@@ -262,6 +262,12 @@ class PipelineEngine:
             if self._stage_of[fqn] == self.stage and first_name[id(module)] == fqn:
                 _batch_sequential_runs(module, fqn, stage_of, stateful, self)
         self._hook_calls(modules, first_name, stateful, ordered_state)
+
+    def order_gradients(self, model: nn.Module) -> None:
+        """Sum this stage's gradients in microbatch order ([Note: ordered gradient accumulation] in ``_grads.py``).
+
+        Call once the local parameters are final (after ``install`` and after materialising delayed parameters).
+        """
         if self.num_stages > 1:  # one stage runs its microbatches one after the other anyway
             self.gradients.register(p for p in model.parameters() if p is not None)
 
@@ -433,7 +439,7 @@ class _CallHooks:
             frames.append(None)
             return
         if self.keyed:
-            self.engine.rng.enter(task.microbatch, self.fqn)
+            self.engine.rng.enter(task.microbatch, self.fqn, recompute=task.phase == _BACKWARD)
         snapshot = self.engine.state_updates.before(module) if self.defer else None
         frames.append((task, snapshot, args, kwargs))
 

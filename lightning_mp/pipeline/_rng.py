@@ -10,7 +10,8 @@ Which stream a draw comes from must not depend on where the work runs either, or
 pp=1. The unit that can move between stages is a call of a module with parameters, so every such call (and every
 call of a direct child of an ``nn.Sequential``, which a Sequential run may send elsewhere) draws from its own
 stream, seeded from ``(seed, step, microbatch, module FQN, n)`` for the n-th call of that module by that
-microbatch; on return, the caller's stream continues where it was (:meth:`enter` / :meth:`exit`). The code of a
+microbatch (a recompute in backward, by activation checkpointing, counts its own calls, so it draws what the
+forward drew); on return, the caller's stream continues where it was (:meth:`enter` / :meth:`exit`). The code of a
 step outside such calls draws from the stream ``(seed, step, microbatch, "step")``. The keys are the same on every
 layout, so the same seed and microbatch count give the same random numbers at any pipeline degree, and on every
 run. They are not those of one process on the full batch (which draws the whole batch's mask at once); a
@@ -85,20 +86,25 @@ class MicrobatchRNG:
         text = repr((self.seed, self._step, microbatch, name, count)).encode()
         return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") & ((1 << 63) - 1)
 
-    def _seed_stream(self, microbatch: int, name: str) -> None:
+    def _seed_stream(self, microbatch: int, name: str, recompute: bool = False) -> None:
+        key = (microbatch, name, recompute)
         with self._lock:
-            count = self._counts[(microbatch, name)] = self._counts.get((microbatch, name), 0) + 1
+            count = self._counts[key] = self._counts.get(key, 0) + 1
         seed = self._seed_for(microbatch, name, count)
         for generator in _generators():
             generator.manual_seed(seed)
 
     # ---- module calls ----------------------------------------------------------------------------------------
 
-    def enter(self, microbatch: int, name: str) -> None:
-        """A keyed module call starts: keep the caller's stream, switch to the call's own."""
+    def enter(self, microbatch: int, name: str, recompute: bool = False) -> None:
+        """A keyed module call starts: keep the caller's stream, switch to the call's own.
+
+        ``recompute``: the call runs again in backward (activation checkpointing); its n-th such call draws what
+        the n-th forward call drew, so the recomputed dropout masks are the forward's.
+        """
         stack = self._stack()
         stack.append(_get_states())
-        self._seed_stream(microbatch, name)
+        self._seed_stream(microbatch, name, recompute)
 
     def exit(self) -> None:
         """The keyed call returned: the caller's stream continues where it was."""

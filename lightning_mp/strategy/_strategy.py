@@ -399,6 +399,7 @@ class SMPStrategy(ParallelStrategy):
                 module.example_input_array = None
         assert self._engine is not None
         self._engine.install(module, self._plan.stage_of, self._plan.ordered_state)
+        self._engine.order_gradients(module)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
