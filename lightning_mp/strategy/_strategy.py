@@ -24,7 +24,6 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
@@ -39,7 +38,8 @@ from lightning_mp.callbacks import PartitionSummary
 from lightning_mp.partition import ModelTrace, PartitionPlan, manual_placements
 from lightning_mp.pipeline import MicrobatchSplitError, PipelineEngine, merge_microbatches, split_microbatches
 from lightning_mp.strategy import _checkpoint
-from lightning_mp.strategy._exit import SpawnLauncher, release_at_exit
+from lightning_mp.strategy._exit import release_at_exit
+from lightning_mp.strategy._launch import apply_thread_policy, make_launcher
 from lightning_mp.strategy._placement import PLAN_KEY, broadcast_plan, load_plan, make_plan, single_stage_plan
 from lightning_mp.strategy._step import (
     GradientStash,
@@ -232,16 +232,12 @@ class SMPStrategy(ParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if self._start_method == "popen":
-            if not self.cluster_environment.creates_processes_externally:
-                self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = SpawnLauncher(self, start_method=self._start_method)
+        self._launcher = make_launcher(self, self._start_method)  # see [Note: threads per process] in _launch.py
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        apply_thread_policy(self.num_processes)  # for launch paths without a launcher; see _launch.py
         reset_seed()
         self.set_world_ranks()
         backend = self.config.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
