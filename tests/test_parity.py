@@ -11,8 +11,16 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
-import pytest
+import lightning as L
+import torch
+import torch.nn.functional as F
+import torchmetrics
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_mp
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,3 +62,119 @@ def test_threads_per_rank_match_ddp(tmp_path):
             assert set(got["layers"]) == set(expected["layers"]), f"{name}: rank {rank} layer threads"
             assert got["omp"] == expected["omp"], f"{name}: rank {rank} OMP_NUM_THREADS"
     assert runs["popen-pp2"][0]["step"] and runs["external-pp1"][1]["step"], "drivers ran training_step"
+
+
+# ---- Trainer runs: one device, ddp, smp --------------------------------------------------------------------
+
+NUM_CLASSES, TRAIN_SIZE, VAL_SIZE, BATCH = 3, 32, 24, 8
+
+
+class Classifier(L.LightningModule):
+    """Logs a torchmetrics Accuracy (on step and epoch) and MeanSquaredError, and a plain tensor with sync_dist."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, NUM_CLASSES))
+        self.train_acc = torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES, average="micro")
+        self.val_acc = torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES, average="micro")
+        self.val_mse = torchmetrics.MeanSquaredError()
+
+    def training_step(self, batch, batch_idx):
+        x, y, target = batch
+        logits = self.net(x)
+        loss = F.cross_entropy(logits, y)
+        self.train_acc(logits, y)
+        self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
+        self.log("train_loss", loss, on_step=True, on_epoch=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y, target = batch
+        logits = self.net(x)
+        self.val_acc(logits, y)
+        self.val_mse(logits[:, 0], target)
+        self.log_dict({"val_acc": self.val_acc, "val_mse": self.val_mse})
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    @staticmethod
+    def _data(n: int, seed: int) -> TensorDataset:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(n, 8, generator=g)
+        return TensorDataset(x, torch.randint(0, NUM_CLASSES, (n,), generator=g), x[:, 0] + 0.1 * torch.randn(n, generator=g))
+
+    def train_dataloader(self):
+        return DataLoader(self._data(TRAIN_SIZE, 0), batch_size=BATCH, shuffle=False)
+
+    def val_dataloader(self):
+        return DataLoader(self._data(VAL_SIZE, 1), batch_size=BATCH)
+
+
+class RecordRun(L.Callback):
+    """Per rank: every training batch (as the step got it), each step's loss and logged accuracy, final metrics."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self.batches: list[torch.Tensor] = []
+        self.losses: list[float] = []
+        self.step_acc: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.batches.append(batch[0].detach().clone())
+        self.losses.append(float(outputs["loss"]))
+        self.step_acc.append(float(trainer.callback_metrics["train_acc_step"]))
+
+    def on_train_end(self, trainer, pl_module):
+        record = {
+            "batches": self.batches, "losses": self.losses, "step_acc": self.step_acc,
+            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+            "params": {n: p.detach().clone() for n, p in pl_module.named_parameters()},
+        }
+        torch.save(record, os.path.join(self.out_dir, f"{trainer.global_rank}.pt"))
+
+
+def _fit_classifier(out_dir: Path, strategy: Any, devices: int, **kwargs: Any) -> list[dict]:
+    out_dir.mkdir()
+    torch.manual_seed(0)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_epochs=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        callbacks=[RecordRun(str(out_dir))], **kwargs,
+    )
+    trainer.fit(Classifier())
+    return [torch.load(out_dir / f"{rank}.pt") for rank in range(devices)]
+
+
+def _assert_runs_match(got: dict, expected: dict, what: str) -> None:
+    assert len(got["batches"]) == len(expected["batches"]) == 2 * TRAIN_SIZE // BATCH // (2 if "dp2" in what else 1)
+    for step, (a, b) in enumerate(zip(got["batches"], expected["batches"])):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"{what}: batch of step {step}")
+    for key in ("losses", "step_acc"):
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-6, msg=f"{what}: {key}")
+    assert sorted(got["metrics"]) == sorted(expected["metrics"]), what
+    for key, value in expected["metrics"].items():  # val_acc, val_mse, train_acc_epoch, train_loss_epoch, ...
+        torch.testing.assert_close(got["metrics"][key], value, rtol=1e-5, atol=1e-6, msg=f"{what}: {key}")
+
+
+def test_metrics_losses_and_data_order_match_ddp(tmp_path):
+    """torchmetrics objects, per-step losses, callback_metrics and batches: smp against ddp (dp=2) and against one
+    device (pp=2, dp=1, where the user's shuffle=False order must stay as it is)."""
+    ddp = _fit_classifier(tmp_path / "ddp", "ddp_spawn", 2)
+    smp_dp2 = _fit_classifier(tmp_path / "dp2", lightning_mp.SMPStrategy(microbatches=2, start_method="spawn"), 2)
+    for rank in range(2):
+        _assert_runs_match(smp_dp2[rank], ddp[rank], f"smp-dp2 rank {rank} vs ddp")
+    assert ddp[0]["metrics"]["val_acc"] == ddp[1]["metrics"]["val_acc"], "ddp syncs the metric over replicas"
+
+    one = _fit_classifier(tmp_path / "one", "auto", 1)
+    pp2 = lightning_mp.SMPStrategy(pipeline_parallel_degree=2, microbatches=2, start_method="spawn")
+    smp_pp2 = _fit_classifier(tmp_path / "pp2", pp2, 2)
+    expected_order = [b for _, (b, *_) in zip(range(TRAIN_SIZE // BATCH), DataLoader(Classifier._data(TRAIN_SIZE, 0), batch_size=BATCH))]
+    for step, batch in enumerate(expected_order):
+        torch.testing.assert_close(one[0]["batches"][step], batch, rtol=0, atol=0, msg="one device keeps the order")
+    for rank in range(2):
+        _assert_runs_match(smp_pp2[rank], one[0], f"smp-pp2 rank {rank} vs one device")
+    params = {n: p for result in smp_pp2 for n, p in result["params"].items()}
+    assert sorted(params) == sorted(one[0]["params"])
+    for name, value in params.items():
+        torch.testing.assert_close(value, one[0]["params"][name], rtol=1e-5, atol=1e-6, msg=name)

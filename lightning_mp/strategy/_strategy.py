@@ -40,6 +40,7 @@ from lightning_mp.pipeline import MicrobatchSplitError, PipelineEngine, merge_mi
 from lightning_mp.strategy import _checkpoint
 from lightning_mp.strategy._exit import release_at_exit
 from lightning_mp.strategy._launch import apply_thread_policy, make_launcher
+from lightning_mp.strategy._metrics import sync_metrics_over
 from lightning_mp.strategy._placement import PLAN_KEY, broadcast_plan, load_plan, make_plan, single_stage_plan
 from lightning_mp.strategy._step import (
     GradientStash,
@@ -211,8 +212,17 @@ class SMPStrategy(ParallelStrategy):
 
     @property
     def is_distributed(self) -> bool:
-        """Lightning reads this from custom strategies to insert a ``DistributedSampler``."""
-        return True
+        """Whether data is sharded over replicas: Lightning reads this to insert a ``DistributedSampler``.
+
+        With one data-parallel replica (pipeline or tensor parallelism only) every rank reads the whole loader as
+        the user built it, so ``shuffle=False`` keeps its order, as on one device. With ``dp > 1`` Lightning injects
+        ``DistributedSampler`` over the data-parallel axis exactly as under ``ddp`` (training loaders shuffled with
+        the global seed, whatever the loader's own ``shuffle``; pass ``use_distributed_sampler=False`` to keep your
+        own sampler). Before the processes are launched it is ``True`` (the layout is not known yet).
+        """
+        if self._topology is None:
+            return True
+        return self._topology.data_parallel_degree > 1
 
     @property
     @override
@@ -321,6 +331,8 @@ class SMPStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._place_modules(trainer)
+        if self.topology.pipeline_parallel_degree * self.topology.tensor_parallel_degree > 1:
+            sync_metrics_over(self.lightning_module, self.device_mesh.get_group(MeshAxis.DP.value))
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if self.config.pipeline_parallel_degree > 1:
