@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_mp
+from tests.test_strategy import STEPS, Record, Wrapped
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -178,3 +179,75 @@ def test_metrics_losses_and_data_order_match_ddp(tmp_path):
     assert sorted(params) == sorted(one[0]["params"])
     for name, value in params.items():
         torch.testing.assert_close(value, one[0]["params"][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ---- checkpoint formats the ecosystem opens -----------------------------------------------------------------
+
+
+class AdamLM(Wrapped):
+    """The tied-embedding LM of tests/test_strategy.py with Adam (step counts and two moment buffers to carry)."""
+
+    def __init__(self) -> None:
+        super().__init__("tiedlm")
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def _fit_lm(out_dir: Path, ckpt_dir: Path, strategy: Any, devices: int, max_steps: int, ckpt_path: Any = None):
+    out_dir.mkdir()
+    torch.manual_seed(0)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
+        callbacks=[Record(str(out_dir)), L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True)],
+    )
+    trainer.fit(AdamLM(), ckpt_path=ckpt_path)
+    return [torch.load(out_dir / f"{rank}.pt") for rank in range(devices)]
+
+
+def _assert_same_checkpoint(got: dict, expected: dict) -> None:
+    for key in ("epoch", "global_step"):
+        assert got[key] == expected[key], key
+    assert sorted(got["state_dict"]) == sorted(expected["state_dict"])
+    for name, value in expected["state_dict"].items():
+        torch.testing.assert_close(got["state_dict"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+    (got_optim,), (expected_optim,) = got["optimizer_states"], expected["optimizer_states"]
+    assert got_optim["param_groups"] == expected_optim["param_groups"]
+    assert sorted(got_optim["state"]) == sorted(expected_optim["state"])
+    for index, state in expected_optim["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(got_optim["state"][index][key], value, rtol=1e-5, atol=1e-6, msg=f"{index}.{key}")
+    assert got["loops"] == expected["loops"]
+
+
+def test_full_checkpoint_file_at_pp2_is_a_plain_lightning_checkpoint(tmp_path):
+    """save_distributed_checkpoint=False at pp=2 writes the file one device writes; load_from_checkpoint reads it."""
+    reference = _fit_lm(tmp_path / "ref", tmp_path / "ck_ref", "auto", 1, STEPS)[0]
+    strategy = lightning_mp.SMPStrategy(
+        pipeline_parallel_degree=2, microbatches=2, start_method="spawn", save_distributed_checkpoint=False
+    )
+    _fit_lm(tmp_path / "smp", tmp_path / "ck", strategy, 2, STEPS)
+    assert (tmp_path / "ck" / "last.ckpt").is_file()
+    got, expected = (torch.load(p / "last.ckpt", weights_only=False) for p in (tmp_path / "ck", tmp_path / "ck_ref"))
+    _assert_same_checkpoint(got, expected)
+    model = AdamLM.load_from_checkpoint(tmp_path / "ck" / "last.ckpt", map_location="cpu")
+    for name, value in model.named_parameters():
+        torch.testing.assert_close(value, reference["params"][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_plain_lightning_checkpoint_resumes_under_smp_pp2(tmp_path):
+    """A one-device Lightning checkpoint (weights, Adam state, loops) resumes an smp pp=2 run, as on one device."""
+    _fit_lm(tmp_path / "ref1", tmp_path / "ck_ref", "auto", 1, STEPS)
+    plain = tmp_path / "ck_ref" / "last.ckpt"
+    reference = _fit_lm(tmp_path / "ref2", tmp_path / "ck_ref2", "auto", 1, 2 * STEPS, ckpt_path=plain)[0]
+    strategy = lightning_mp.SMPStrategy(pipeline_parallel_degree=2, microbatches=2, start_method="spawn")
+    resumed = _fit_lm(tmp_path / "smp", tmp_path / "ck", strategy, 2, 2 * STEPS, ckpt_path=plain)
+    assert len(reference["losses"]) == STEPS, "the reference resumed at step 3"
+    for result in resumed:
+        torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-5, atol=1e-6)
+    got = {name: value for result in resumed for name, value in result["params"].items()}
+    assert sorted(got) == sorted(reference["params"])
+    for name, value in got.items():
+        torch.testing.assert_close(value, reference["params"][name], rtol=1e-5, atol=1e-6, msg=name)
+    assert (tmp_path / "ck" / "last" / "meta.pt").is_file(), "smp's own checkpoints: DCP folders named without .ckpt"

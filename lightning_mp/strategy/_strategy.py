@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Mapping
 from datetime import timedelta
 from functools import partial
@@ -87,6 +88,10 @@ class SMPStrategy(ParallelStrategy):
         process_group_backend: ``None`` picks gloo on CPU, NCCL on CUDA.
         timeout: how long any rank waits for a peer before raising (collectives and pipeline messages).
         start_method: ``"popen"`` (re-run the script per rank, like ``ddp``) or ``"spawn"``/``"fork"``.
+        save_distributed_checkpoint: as in Lightning's ``ModelParallelStrategy``: ``True`` writes a folder of DCP
+            shards per checkpoint (every rank writes its own part; resumable at any layout); ``False`` writes one
+            full Lightning checkpoint file from global rank 0, which ``Model.load_from_checkpoint`` and any other
+            strategy read. Either kind resumes an ``smp`` run, as does a plain Lightning checkpoint file.
 
     Raises:
         ValueError: at construction for invalid values (see :class:`lightning_mp.SMPConfig`); at setup for a world
@@ -115,6 +120,7 @@ class SMPStrategy(ParallelStrategy):
         timeout: timedelta = default_pg_timeout,
         deterministic_order: bool | None = None,
         start_method: Literal["popen", "spawn", "fork"] = "popen",
+        save_distributed_checkpoint: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -147,6 +153,8 @@ class SMPStrategy(ParallelStrategy):
             deterministic_order=deterministic_order,
         )
         self._start_method = start_method
+        self._save_distributed_checkpoint = save_distributed_checkpoint
+        self._param_order: list[str] | None = None  # the whole model's parameter FQNs, before placement
         self.num_nodes = 1
         self._topology: Topology | None = None
         self._device_mesh: DeviceMesh | None = None
@@ -330,6 +338,10 @@ class SMPStrategy(ParallelStrategy):
         self._check_supported(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        if self._param_order is None:
+            self._param_order = [fqn for fqn, _ in self.model.named_parameters()]
+        if self._save_distributed_checkpoint:
+            _checkpoint.name_checkpoint_folders(trainer.checkpoint_callbacks)
         self._place_modules(trainer)
         if self.topology.pipeline_parallel_degree * self.topology.tensor_parallel_degree > 1:
             sync_metrics_over(self.lightning_module, self.device_mesh.get_group(MeshAxis.DP.value))
@@ -557,9 +569,7 @@ class SMPStrategy(ParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
-        return _checkpoint.optimizer_state_dict(self.model, optimizer)
+        return _checkpoint.optimizer_state_dict(self.model, _unwrap(optimizer))
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -567,12 +577,39 @@ class SMPStrategy(ParallelStrategy):
             raise TypeError("The 'smp' strategy saves through torch.distributed.checkpoint; `storage_options` is unused.")
         path = Path(self.broadcast(str(filepath)))
         checkpoint[PLAN_KEY] = {"partition_plan": self.partition_plan.to_dict()}
-        _checkpoint.save_checkpoint(checkpoint, path, self.is_global_zero)
+        if self._save_distributed_checkpoint:
+            _checkpoint.save_checkpoint(checkpoint, path, self.is_global_zero)
+            return
+        if self.topology.dp_rank == 0 and self.topology.tp_rank == 0:  # replica 0's stages hold the whole model
+            groups = [_checkpoint.param_groups_by_fqn(self.model, _unwrap(o)) for o in self.optimizers]
+            assert self._param_order is not None
+            full = _checkpoint.consolidate_checkpoint(
+                checkpoint, groups, self._param_order, self.device_mesh.get_group(MeshAxis.PP.value), dst=0
+            )
+            if self.is_global_zero:
+                assert full is not None
+                if path.is_dir():  # a DCP folder of an earlier run under the same name
+                    shutil.rmtree(path)
+                self.checkpoint_io.save_checkpoint(full, path)
+        self.barrier("save_checkpoint")
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
-        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        optimizers = [_unwrap(o) for o in self.optimizers]
+        if path.is_file():  # one full file: a plain Lightning checkpoint, or save_distributed_checkpoint=False
+            local = [_checkpoint.param_groups_by_fqn(self.model, o) for o in optimizers]
+            stages: list[Any] = [None] * self.topology.pipeline_parallel_degree
+            dist.all_gather_object(stages, local, group=self.device_mesh.get_group(MeshAxis.PP.value))
+            assert self._param_order is not None
+            full_groups = [
+                _checkpoint.full_param_groups([stage[i] for stage in stages], self._param_order)
+                for i in range(len(optimizers))
+            ]
+            return _checkpoint.load_full_checkpoint(
+                path, self.model, optimizers, full_groups,
+                strict=self.lightning_module.strict_loading, weights_only=weights_only,
+            )
         return _checkpoint.load_checkpoint(
             path, self.model, optimizers, strict=self.lightning_module.strict_loading, weights_only=weights_only
         )
@@ -609,6 +646,10 @@ def _scaled_loss(output: Any, scale: float | None) -> Tensor | None:
             f"training_step must return a loss tensor or a dict with 'loss' under the 'smp' strategy, got {type(loss).__name__}."
         )
     return loss / scale
+
+
+def _unwrap(optimizer: Any) -> Optimizer:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
