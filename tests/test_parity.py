@@ -14,14 +14,16 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 import torch.nn.functional as F
 import torchmetrics
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_mp
-from tests.test_strategy import STEPS, Record, Wrapped
+from tests.test_strategy import STEPS, Record, Wrapped, _fit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -251,3 +253,59 @@ def test_plain_lightning_checkpoint_resumes_under_smp_pp2(tmp_path):
     for name, value in got.items():
         torch.testing.assert_close(value, reference["params"][name], rtol=1e-5, atol=1e-6, msg=name)
     assert (tmp_path / "ck" / "last" / "meta.pt").is_file(), "smp's own checkpoints: DCP folders named without .ckpt"
+
+
+# ---- precision ----------------------------------------------------------------------------------------------
+
+
+class RecordScale(L.Callback):
+    """Per rank: the GradScaler's scale after each step (``None`` without a scaler)."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self.scales: list[float | None] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self.scales.append(None if scaler is None else float(scaler.get_scale()))
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save(self.scales, os.path.join(self.out_dir, f"scales{trainer.global_rank}.pt"))
+
+
+def _precision_kwargs(precision: str) -> dict[str, Any]:
+    if precision == "16-mixed":  # an explicit plugin: on CPU, Trainer(precision="16-mixed") means bf16-mixed
+        # growth_interval=1: the scale grows every step until fp16 gradients overflow (step 3 of this model)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=1)
+        return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=scaler)]}
+    return {"precision": precision}
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-true"])
+def test_precision_matches_one_device(tmp_path, precision):
+    """16-mixed (GradScaler: loss scaled inside the pipeline, one skip/scale decision for all ranks) and bf16-true
+    at pp=1 and pp=2, against the same precision on one device (tolerances of the 16-bit dtypes)."""
+    (tmp_path / "ref").mkdir()
+    reference = _fit("mlp", str(tmp_path / "ref"), callbacks_extra=[RecordScale(str(tmp_path / "ref"))],
+                     **_precision_kwargs(precision))[0]
+    expected_scales = torch.load(tmp_path / "ref" / "scales0.pt")
+    if precision == "16-mixed":
+        assert expected_scales == [2.0**17, 2.0**18, 2.0**17], "two steps taken, then one skipped on overflow"
+    else:
+        assert all(p.dtype == torch.bfloat16 for p in reference["params"].values())
+    for pp in (1, 2):
+        out = tmp_path / f"pp{pp}"
+        out.mkdir()
+        strategy = lightning_mp.SMPStrategy(pipeline_parallel_degree=pp, microbatches=2, start_method="spawn")
+        # dp=1: with dp > 1 each replica's loss is the mean over its shard, so fp16 gradients are dp times larger
+        # than one device's and overflow at another step (as under ddp); pipelining alone must change nothing.
+        results = _fit("mlp", str(out), strategy, devices=pp, callbacks_extra=[RecordScale(str(out))],
+                       **_precision_kwargs(precision))
+        for rank in range(pp):
+            assert torch.load(out / f"scales{rank}.pt") == expected_scales, f"pp={pp} rank {rank}: GradScaler scale"
+        for result in results:
+            torch.testing.assert_close(result["losses"], reference["losses"], rtol=2e-2, atol=1e-2, msg=f"pp={pp}")
+        for result in results:
+            for name, value in result["params"].items():
+                assert value.dtype == reference["params"][name].dtype, name
+                torch.testing.assert_close(value, reference["params"][name], rtol=2e-2, atol=1e-2, msg=f"pp={pp} {name}")

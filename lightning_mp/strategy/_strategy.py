@@ -42,6 +42,7 @@ from lightning_mp.strategy import _checkpoint
 from lightning_mp.strategy._exit import release_at_exit
 from lightning_mp.strategy._launch import apply_thread_policy, make_launcher
 from lightning_mp.strategy._metrics import sync_metrics_over
+from lightning_mp.strategy._precision import install_synced_scaler, loss_scale_of
 from lightning_mp.strategy._placement import PLAN_KEY, broadcast_plan, load_plan, make_plan, single_stage_plan
 from lightning_mp.strategy._step import (
     GradientStash,
@@ -350,6 +351,7 @@ class SMPStrategy(ParallelStrategy):
             if self.config.pipeline_parallel_degree > 1:
                 self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm
         self.setup_precision_plugin()
+        install_synced_scaler(self.precision_plugin, _group.WORLD)  # see [Note: GradScaler over stages]
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
@@ -372,11 +374,6 @@ class SMPStrategy(ParallelStrategy):
                 "The 'smp' strategy runs backward inside the pipeline, so manual optimization"
                 " (`self.automatic_optimization = False`) is not supported. Use automatic optimization."
             )
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError(
-                "precision='16-mixed' uses a GradScaler, which the 'smp' pipeline does not support yet."
-                " Use precision='bf16-mixed' or '32-true'."
-            )
 
     def _place_modules(self, trainer: pl.Trainer) -> None:
         """Trace and plan on global rank 0, broadcast, keep this stage's modules (see ``_placement``)."""
@@ -396,8 +393,9 @@ class SMPStrategy(ParallelStrategy):
         else:
             result: Any = None
             if self.global_rank == 0:
-                try:
-                    result = make_plan(trainer, self.config, self.batch_to_device)
+                try:  # the sample goes in as the loop would give it (device, then the precision's dtype)
+                    with self.precision_plugin.forward_context():
+                        result = make_plan(trainer, self.config, self._sample_to_device)
                 except Exception as err:  # every rank must learn of it, or the others wait in the broadcast
                     result = err
             self._plan = broadcast_plan(result)
@@ -418,6 +416,9 @@ class SMPStrategy(ParallelStrategy):
         assert self._engine is not None
         self._engine.install(module, self._plan.stage_of)
 
+    def _sample_to_device(self, batch: Any) -> Any:
+        return self.precision_plugin.convert_input(self.batch_to_device(batch))
+
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         self._reset_optimizers_and_schedulers()
@@ -433,7 +434,7 @@ class SMPStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = self.lightning_module.trainer
-        scale = self.config.microbatches * trainer.accumulate_grad_batches
+        scale = self._loss_divisor(trainer)
         params = list(self.model.parameters())
         self._grads.begin(params)
         try:
@@ -443,6 +444,11 @@ class SMPStrategy(ParallelStrategy):
         finally:
             self._grads.end()
         return output
+
+    def _loss_divisor(self, trainer: pl.Trainer) -> float:
+        """Each microbatch backpropagates loss / divisor: the mean over microbatches and accumulated batches,
+        times the GradScaler's scale under ``16-mixed`` (see [Note: GradScaler over stages])."""
+        return self.config.microbatches * trainer.accumulate_grad_batches / loss_scale_of(self.precision_plugin)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
