@@ -223,19 +223,33 @@ def _assert_same_checkpoint(got: dict, expected: dict) -> None:
     assert got["loops"] == expected["loops"]
 
 
-def test_full_checkpoint_file_at_pp2_is_a_plain_lightning_checkpoint(tmp_path):
-    """save_distributed_checkpoint=False at pp=2 writes the file one device writes; load_from_checkpoint reads it."""
-    reference = _fit_lm(tmp_path / "ref", tmp_path / "ck_ref", "auto", 1, STEPS)[0]
-    strategy = lightning_mp.SMPStrategy(
+def _full_file_strategy() -> lightning_mp.SMPStrategy:
+    return lightning_mp.SMPStrategy(
         pipeline_parallel_degree=2, microbatches=2, start_method="spawn", save_distributed_checkpoint=False
     )
-    _fit_lm(tmp_path / "smp", tmp_path / "ck", strategy, 2, STEPS)
+
+
+def test_full_checkpoint_file_at_pp2_is_a_plain_lightning_checkpoint(tmp_path, capfd):
+    """save_distributed_checkpoint=False at pp=2 writes the file one device writes; load_from_checkpoint reads it;
+    resuming from it reuses the partition plan saved in it and continues as one device does."""
+    reference = _fit_lm(tmp_path / "ref", tmp_path / "ck_ref", "auto", 1, STEPS)[0]
+    _fit_lm(tmp_path / "smp", tmp_path / "ck", _full_file_strategy(), 2, STEPS)
+    assert "reusing the partition plan" not in "".join(capfd.readouterr()), "a fresh run plans"
     assert (tmp_path / "ck" / "last.ckpt").is_file()
     got, expected = (torch.load(p / "last.ckpt", weights_only=False) for p in (tmp_path / "ck", tmp_path / "ck_ref"))
     _assert_same_checkpoint(got, expected)
     model = AdamLM.load_from_checkpoint(tmp_path / "ck" / "last.ckpt", map_location="cpu")
     for name, value in model.named_parameters():
         torch.testing.assert_close(value, reference["params"][name], rtol=1e-5, atol=1e-6, msg=name)
+
+    resumed_reference = _fit_lm(tmp_path / "ref2", tmp_path / "ck_ref2", "auto", 1, 2 * STEPS,
+                                ckpt_path=tmp_path / "ck_ref" / "last.ckpt")[0]
+    resumed = _fit_lm(tmp_path / "smp2", tmp_path / "ck2", _full_file_strategy(), 2, 2 * STEPS,
+                      ckpt_path=tmp_path / "ck" / "last.ckpt")
+    out = "".join(capfd.readouterr())  # Lightning's rank-zero info goes to stderr
+    assert f"reusing the partition plan from {tmp_path / 'ck' / 'last.ckpt'}" in out
+    for result in resumed:
+        torch.testing.assert_close(result["losses"], resumed_reference["losses"], rtol=1e-5, atol=1e-6)
 
 
 def test_plain_lightning_checkpoint_resumes_under_smp_pp2(tmp_path):

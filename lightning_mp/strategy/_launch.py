@@ -12,7 +12,10 @@ the count of the thread that created the engine (see [Note: intra-op threads of 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -23,7 +26,7 @@ from lightning_mp.strategy._exit import SpawnLauncher
 if TYPE_CHECKING:
     from lightning_mp.strategy._strategy import SMPStrategy
 
-__all__ = ["apply_thread_policy", "make_launcher"]
+__all__ = ["apply_thread_policy", "make_launcher", "resume_path_of"]
 
 
 def make_launcher(strategy: SMPStrategy, start_method: str) -> _Launcher:
@@ -34,8 +37,43 @@ def make_launcher(strategy: SMPStrategy, start_method: str) -> _Launcher:
     """
     assert strategy.cluster_environment is not None
     if start_method == "popen":
-        return _SubprocessScriptLauncher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
-    return SpawnLauncher(strategy, start_method=start_method)
+        return _ScriptLauncher(strategy, strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+    return _Spawn(strategy, start_method=start_method)
+
+
+def resume_path_of(function: Callable, args: tuple, kwargs: dict) -> Path | None:
+    """The checkpoint a ``Trainer`` entry point (``_fit_impl``, ...) is about to resume from, if it is a path.
+
+    The strategy places modules before Lightning reads the checkpoint; knowing the path at launch lets it reuse
+    the checkpoint's partition plan. Names such as ``"last"`` or ``"best"`` are not resolved (``None``).
+    """
+    try:
+        ckpt_path = inspect.signature(function).bind(*args, **kwargs).arguments.get("ckpt_path")
+    except TypeError:
+        return None
+    if ckpt_path is None or not Path(str(ckpt_path)).exists():
+        return None
+    return Path(str(ckpt_path))
+
+
+class _ScriptLauncher(_SubprocessScriptLauncher):
+    """Lightning's popen launcher that also hands the strategy the path it resumes from."""
+
+    def __init__(self, strategy: SMPStrategy, *args: Any) -> None:
+        super().__init__(*args)
+        self._strategy = strategy
+
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        self._strategy._resume_path = resume_path_of(function, args, kwargs)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+class _Spawn(SpawnLauncher):
+    """Our spawn/fork launcher that also hands the strategy the path it resumes from (before it is pickled)."""
+
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        self._strategy._resume_path = resume_path_of(function, args, kwargs)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
 def apply_thread_policy(num_processes: int) -> None:

@@ -87,7 +87,7 @@ def _check_every_stage_has_parameters(stages: PartitionPlan, model_trace: ModelT
 
 
 def load_plan(path: str, module: torch.nn.Module, num_stages: int) -> PartitionPlan:
-    """Read a saved plan (JSON file or lightning_mp checkpoint folder) and check it fits ``module``.
+    """Read a saved plan (JSON file, lightning_mp checkpoint folder or file) and check it fits ``module``.
 
     Raises:
         FileNotFoundError: if ``path`` holds no plan.
@@ -99,8 +99,11 @@ def load_plan(path: str, module: torch.nn.Module, num_stages: int) -> PartitionP
     if source.is_dir():
         metadata = torch.load(source / "meta.pt", weights_only=False) if (source / "meta.pt").is_file() else {}
         data = metadata.get(PLAN_KEY, {}).get("partition_plan")
-    elif source.is_file():
+    elif source.is_file() and source.suffix == ".json":
         data = json.loads(source.read_text())
+    elif source.is_file():  # one full checkpoint file (save_distributed_checkpoint=False)
+        checkpoint = torch.load(source, map_location="cpu", mmap=True, weights_only=False)
+        data = checkpoint.get(PLAN_KEY, {}).get("partition_plan") if isinstance(checkpoint, dict) else None
     else:
         data = None
     if data is None:

@@ -93,6 +93,9 @@ class SMPStrategy(ParallelStrategy):
             shards per checkpoint (every rank writes its own part; resumable at any layout); ``False`` writes one
             full Lightning checkpoint file from global rank 0, which ``Model.load_from_checkpoint`` and any other
             strategy read. Either kind resumes an ``smp`` run, as does a plain Lightning checkpoint file.
+        replan_on_resume: a run resumed with ``fit(ckpt_path=...)`` reuses the partition plan saved in that
+            checkpoint when it fits the model and ``pipeline_parallel_degree`` (else it plans anew, and says so);
+            ``True`` always plans anew.
 
     Raises:
         ValueError: at construction for invalid values (see :class:`lightning_mp.SMPConfig`); at setup for a world
@@ -122,6 +125,7 @@ class SMPStrategy(ParallelStrategy):
         deterministic_order: bool | None = None,
         start_method: Literal["popen", "spawn", "fork"] = "popen",
         save_distributed_checkpoint: bool = True,
+        replan_on_resume: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -156,6 +160,8 @@ class SMPStrategy(ParallelStrategy):
         self._start_method = start_method
         self._save_distributed_checkpoint = save_distributed_checkpoint
         self._param_order: list[str] | None = None  # the whole model's parameter FQNs, before placement
+        self._replan_on_resume = replan_on_resume
+        self._resume_path: Path | None = None  # set by the launcher (see `resume_path_of` in _launch.py)
         self.num_nodes = 1
         self._topology: Topology | None = None
         self._device_mesh: DeviceMesh | None = None
@@ -390,6 +396,8 @@ class SMPStrategy(ParallelStrategy):
         elif self.config.partition_plan is not None:
             self._plan = load_plan(self.config.partition_plan, module, self.config.pipeline_parallel_degree)
             rank_zero_info(f"lightning_mp: reusing the partition plan from {self.config.partition_plan}")
+        elif (saved := self._plan_of_resumed_checkpoint()) is not None:
+            self._plan = saved
         else:
             result: Any = None
             if self.global_rank == 0:
@@ -415,6 +423,21 @@ class SMPStrategy(ParallelStrategy):
                 module.example_input_array = None
         assert self._engine is not None
         self._engine.install(module, self._plan.stage_of)
+
+    def _plan_of_resumed_checkpoint(self) -> PartitionPlan | None:
+        """The plan saved in the checkpoint this run resumes from, if it fits (same decision on every rank)."""
+        path = self._resume_path
+        if path is None or self._replan_on_resume:
+            return None
+        try:
+            saved = load_plan(str(path), self.lightning_module, self.config.pipeline_parallel_degree)
+        except FileNotFoundError:  # e.g. a plain Lightning checkpoint: nothing to reuse
+            return None
+        except ValueError as err:  # another layout or model
+            rank_zero_info(f"lightning_mp: planning anew, the partition plan in {path} does not fit: {err}")
+            return None
+        rank_zero_info(f"lightning_mp: reusing the partition plan from {path}")
+        return saved
 
     def _sample_to_device(self, batch: Any) -> Any:
         return self.precision_plugin.convert_input(self.batch_to_device(batch))
