@@ -137,13 +137,27 @@ class RecordRun(L.Callback):
         torch.save(record, os.path.join(self.out_dir, f"{trainer.global_rank}.pt"))
 
 
+class RecordSummary(L.Callback):
+    """What Lightning's ModelSummary callback would print on this rank: totals and per-layer parameter counts."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_fit_start(self, trainer, pl_module):
+        (callback,) = [c for c in trainer.callbacks if isinstance(c, L.pytorch.callbacks.ModelSummary)]
+        summary = callback._summary(trainer, pl_module)
+        record = {"total": summary.total_parameters, "trainable": summary.trainable_parameters,
+                  "layers": dict(zip(summary.layer_names, summary.param_nums))}
+        torch.save(record, os.path.join(self.out_dir, f"summary{trainer.global_rank}.pt"))
+
+
 def _fit_classifier(out_dir: Path, strategy: Any, devices: int, **kwargs: Any) -> list[dict]:
     out_dir.mkdir()
     torch.manual_seed(0)
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_epochs=2, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        callbacks=[RecordRun(str(out_dir))], **kwargs,
+        enable_progress_bar=False, num_sanity_val_steps=0,
+        callbacks=[RecordRun(str(out_dir)), RecordSummary(str(out_dir))], **kwargs,
     )
     trainer.fit(Classifier())
     return [torch.load(out_dir / f"{rank}.pt") for rank in range(devices)]
@@ -160,9 +174,11 @@ def _assert_runs_match(got: dict, expected: dict, what: str) -> None:
         torch.testing.assert_close(got["metrics"][key], value, rtol=1e-5, atol=1e-6, msg=f"{what}: {key}")
 
 
-def test_metrics_losses_and_data_order_match_ddp(tmp_path):
+def test_metrics_losses_and_data_order_match_ddp(tmp_path, capfd):
     """torchmetrics objects, per-step losses, callback_metrics and batches: smp against ddp (dp=2) and against one
-    device (pp=2, dp=1, where the user's shuffle=False order must stay as it is)."""
+    device (pp=2, dp=1, where the user's shuffle=False order must stay as it is). At pp=2 Lightning's model summary
+    counts every stage, the partition table leaves the (parameter-less) metrics out, and Lightning's sync_dist
+    advice (noise with one replica) is not given."""
     ddp = _fit_classifier(tmp_path / "ddp", "ddp_spawn", 2)
     smp_dp2 = _fit_classifier(tmp_path / "dp2", lightning_mp.SMPStrategy(microbatches=2, start_method="spawn"), 2)
     for rank in range(2):
@@ -170,8 +186,16 @@ def test_metrics_losses_and_data_order_match_ddp(tmp_path):
     assert ddp[0]["metrics"]["val_acc"] == ddp[1]["metrics"]["val_acc"], "ddp syncs the metric over replicas"
 
     one = _fit_classifier(tmp_path / "one", "auto", 1)
+    capfd.readouterr()
     pp2 = lightning_mp.SMPStrategy(pipeline_parallel_degree=2, microbatches=2, start_method="spawn")
     smp_pp2 = _fit_classifier(tmp_path / "pp2", pp2, 2)
+    output = "".join(capfd.readouterr())
+    table = output.split("lightning_mp partition plan:")[1].split("\n\n")[0]
+    assert "net" in table and "acc" not in table and "mse" not in table, table
+    assert "It is recommended to use" not in output
+    expected_summary = torch.load(tmp_path / "one" / "summary0.pt")
+    assert expected_summary["total"] > 0 and expected_summary["layers"]["net"] == expected_summary["total"]
+    assert torch.load(tmp_path / "pp2" / "summary0.pt") == expected_summary, "rank 0 summarizes every stage"
     expected_order = [b for _, (b, *_) in zip(range(TRAIN_SIZE // BATCH), DataLoader(Classifier._data(TRAIN_SIZE, 0), batch_size=BATCH))]
     for step, batch in enumerate(expected_order):
         torch.testing.assert_close(one[0]["batches"][step], batch, rtol=0, atol=0, msg="one device keeps the order")

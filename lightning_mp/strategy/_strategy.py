@@ -43,6 +43,11 @@ from lightning_mp.strategy._exit import release_at_exit
 from lightning_mp.strategy._launch import apply_thread_policy, make_launcher
 from lightning_mp.strategy._metrics import sync_metrics_over
 from lightning_mp.strategy._precision import install_synced_scaler, loss_scale_of
+from lightning_mp.strategy._summary import (
+    gather_parameter_counts,
+    silence_single_replica_sync_advice,
+    summarize_whole_model,
+)
 from lightning_mp.strategy._placement import PLAN_KEY, broadcast_plan, load_plan, make_plan, single_stage_plan
 from lightning_mp.strategy._step import (
     GradientStash,
@@ -352,6 +357,11 @@ class SMPStrategy(ParallelStrategy):
         self._place_modules(trainer)
         if self.topology.pipeline_parallel_degree * self.topology.tensor_parallel_degree > 1:
             sync_metrics_over(self.lightning_module, self.device_mesh.get_group(MeshAxis.DP.value))
+        if self.topology.pipeline_parallel_degree > 1:  # Lightning's summary counts the whole model
+            counts = gather_parameter_counts(self.lightning_module, self.device_mesh.get_group(MeshAxis.PP.value))
+            summarize_whole_model(trainer.callbacks, counts)
+        if self.topology.data_parallel_degree == 1:
+            silence_single_replica_sync_advice()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if self.config.pipeline_parallel_degree > 1:
@@ -411,10 +421,6 @@ class SMPStrategy(ParallelStrategy):
                 self._trace = result[1]
                 if not any(isinstance(c, PartitionSummary) for c in trainer.callbacks):  # it prints a fuller table
                     rank_zero_info("lightning_mp partition plan:\n" + self._plan.format_table(self._trace))
-                rank_zero_info(
-                    "lightning_mp: Lightning's model summary counts the parameters of pipeline stage 0 only"
-                    " (global rank 0); the partition table covers every stage."
-                )
             if module.example_input_array is not None:
                 rank_zero_warn(
                     "`example_input_array` cannot run through the pipeline outside a step, so it is cleared after"
