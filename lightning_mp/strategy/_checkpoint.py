@@ -38,6 +38,7 @@ __all__ = [
     "optimizer_state_dict",
     "param_groups_by_fqn",
     "save_checkpoint",
+    "save_full_checkpoint",
 ]
 
 METADATA_FILENAME = "meta.pt"
@@ -212,19 +213,40 @@ def _native_optimizer_state(flat_states: list[dict[str, Any]], groups: list[list
     return native
 
 
+def save_full_checkpoint(
+    checkpoint: dict[str, Any], path: Path, model: nn.Module, optimizers: list[Optimizer], param_order: list[str],
+    group: dist.ProcessGroup, checkpoint_io: Any | None,
+) -> None:
+    """Write one full Lightning checkpoint file from global rank 0 (``save_distributed_checkpoint=False``).
+
+    Every rank of replica 0's pipeline ``group`` calls this; the rank given a ``checkpoint_io`` (global rank 0)
+    writes, replacing a DCP folder of the same name.
+    """
+    groups = [param_groups_by_fqn(model, optimizer) for optimizer in optimizers]
+    full = consolidate_checkpoint(checkpoint, groups, param_order, group, dst=0)
+    if checkpoint_io is not None:
+        assert full is not None
+        if path.is_dir():
+            shutil.rmtree(path)
+        checkpoint_io.save_checkpoint(full, path)
+
+
 def load_full_checkpoint(
-    path: Path, model: nn.Module, optimizers: list[Optimizer], full_groups: list[list[list[str]]], *,
-    strict: bool, weights_only: bool | None,
+    path: Path, model: nn.Module, optimizers: list[Optimizer], param_order: list[str], group: dist.ProcessGroup,
+    *, strict: bool, weights_only: bool | None,
 ) -> dict[str, Any]:
     """Load a full Lightning checkpoint file (one device's, or one written with ``save_distributed_checkpoint=False``).
 
     Each rank keeps the parameters, buffers and optimizer states of its own stage (see [Note: full checkpoint
-    files]); ``full_groups[i]`` is :func:`full_param_groups` of optimizer ``i``. Returns the rest (loops, callbacks).
+    files]); every rank of the pipeline ``group`` must call this. Returns the rest (loops, callbacks, ...).
 
     Raises:
         ValueError: if the file's optimizer groups do not have the sizes this model's optimizers have.
         RuntimeError: with ``strict``, if the file misses a parameter or buffer of this stage.
     """
+    stages: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(stages, [param_groups_by_fqn(model, o) for o in optimizers], group=group)
+    full_groups = [full_param_groups([stage[i] for stage in stages], param_order) for i in range(len(optimizers))]
     checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
     saved = checkpoint.pop("state_dict")
     local_keys = model.state_dict().keys()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_mp.config import SMPConfig
 from lightning_mp.partition import ModelTrace, PartitionPlan, manual_placements, plan, trace
@@ -24,7 +24,7 @@ from lightning_mp.pipeline import split_microbatches
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["PLAN_KEY", "broadcast_plan", "load_plan", "make_plan", "single_stage_plan"]
+__all__ = ["PLAN_KEY", "broadcast_plan", "load_plan", "make_plan", "plan_saved_in", "single_stage_plan"]
 
 PLAN_KEY = "lightning_mp"  # checkpoint entry: {"partition_plan": PartitionPlan.to_dict()}
 
@@ -125,6 +125,22 @@ def load_plan(path: str, module: torch.nn.Module, num_stages: int) -> PartitionP
             f" model {extra[:5]}. Drop `partition_plan` to plan anew."
         )
     return loaded
+
+
+def plan_saved_in(path: Path, module: torch.nn.Module, num_stages: int) -> PartitionPlan | None:
+    """The plan saved in the checkpoint at ``path`` if it fits ``module`` and ``num_stages``, else ``None``.
+
+    Says in one line (global rank 0) whether it is reused. Every rank reads the same file, so all decide alike.
+    """
+    try:
+        saved = load_plan(str(path), module, num_stages)
+    except FileNotFoundError:  # e.g. a plain Lightning checkpoint: nothing to reuse
+        return None
+    except ValueError as err:  # another layout or model
+        rank_zero_info(f"lightning_mp: planning anew, the partition plan in {path} does not fit: {err}")
+        return None
+    rank_zero_info(f"lightning_mp: reusing the partition plan from {path}")
+    return saved
 
 
 def broadcast_plan(result: tuple[PartitionPlan, Any] | BaseException | None, src: int = 0) -> PartitionPlan:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Mapping
 from datetime import timedelta
 from functools import partial
@@ -48,7 +47,14 @@ from lightning_mp.strategy._summary import (
     silence_single_replica_sync_advice,
     summarize_whole_model,
 )
-from lightning_mp.strategy._placement import PLAN_KEY, broadcast_plan, load_plan, make_plan, single_stage_plan
+from lightning_mp.strategy._placement import (
+    PLAN_KEY,
+    broadcast_plan,
+    load_plan,
+    make_plan,
+    plan_saved_in,
+    single_stage_plan,
+)
 from lightning_mp.strategy._step import (
     GradientStash,
     LogRecorder,
@@ -406,7 +412,11 @@ class SMPStrategy(ParallelStrategy):
         elif self.config.partition_plan is not None:
             self._plan = load_plan(self.config.partition_plan, module, self.config.pipeline_parallel_degree)
             rank_zero_info(f"lightning_mp: reusing the partition plan from {self.config.partition_plan}")
-        elif (saved := self._plan_of_resumed_checkpoint()) is not None:
+        elif (
+            self._resume_path is not None
+            and not self._replan_on_resume
+            and (saved := plan_saved_in(self._resume_path, module, self.config.pipeline_parallel_degree)) is not None
+        ):
             self._plan = saved
         else:
             result: Any = None
@@ -429,21 +439,6 @@ class SMPStrategy(ParallelStrategy):
                 module.example_input_array = None
         assert self._engine is not None
         self._engine.install(module, self._plan.stage_of)
-
-    def _plan_of_resumed_checkpoint(self) -> PartitionPlan | None:
-        """The plan saved in the checkpoint this run resumes from, if it fits (same decision on every rank)."""
-        path = self._resume_path
-        if path is None or self._replan_on_resume:
-            return None
-        try:
-            saved = load_plan(str(path), self.lightning_module, self.config.pipeline_parallel_degree)
-        except FileNotFoundError:  # e.g. a plain Lightning checkpoint: nothing to reuse
-            return None
-        except ValueError as err:  # another layout or model
-            rank_zero_info(f"lightning_mp: planning anew, the partition plan in {path} does not fit: {err}")
-            return None
-        rank_zero_info(f"lightning_mp: reusing the partition plan from {path}")
-        return saved
 
     def _sample_to_device(self, batch: Any) -> Any:
         return self.precision_plugin.convert_input(self.batch_to_device(batch))
@@ -616,16 +611,11 @@ class SMPStrategy(ParallelStrategy):
             _checkpoint.save_checkpoint(checkpoint, path, self.is_global_zero)
             return
         if self.topology.dp_rank == 0 and self.topology.tp_rank == 0:  # replica 0's stages hold the whole model
-            groups = [_checkpoint.param_groups_by_fqn(self.model, _unwrap(o)) for o in self.optimizers]
             assert self._param_order is not None
-            full = _checkpoint.consolidate_checkpoint(
-                checkpoint, groups, self._param_order, self.device_mesh.get_group(MeshAxis.PP.value), dst=0
+            _checkpoint.save_full_checkpoint(
+                checkpoint, path, self.model, [_unwrap(o) for o in self.optimizers], self._param_order,
+                self.device_mesh.get_group(MeshAxis.PP.value), self.checkpoint_io if self.is_global_zero else None,
             )
-            if self.is_global_zero:
-                assert full is not None
-                if path.is_dir():  # a DCP folder of an earlier run under the same name
-                    shutil.rmtree(path)
-                self.checkpoint_io.save_checkpoint(full, path)
         self.barrier("save_checkpoint")
 
     @override
@@ -633,16 +623,9 @@ class SMPStrategy(ParallelStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))
         optimizers = [_unwrap(o) for o in self.optimizers]
         if path.is_file():  # one full file: a plain Lightning checkpoint, or save_distributed_checkpoint=False
-            local = [_checkpoint.param_groups_by_fqn(self.model, o) for o in optimizers]
-            stages: list[Any] = [None] * self.topology.pipeline_parallel_degree
-            dist.all_gather_object(stages, local, group=self.device_mesh.get_group(MeshAxis.PP.value))
             assert self._param_order is not None
-            full_groups = [
-                _checkpoint.full_param_groups([stage[i] for stage in stages], self._param_order)
-                for i in range(len(optimizers))
-            ]
             return _checkpoint.load_full_checkpoint(
-                path, self.model, optimizers, full_groups,
+                path, self.model, optimizers, self._param_order, self.device_mesh.get_group(MeshAxis.PP.value),
                 strict=self.lightning_module.strict_loading, weights_only=weights_only,
             )
         return _checkpoint.load_checkpoint(
