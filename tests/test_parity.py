@@ -347,3 +347,14 @@ def test_precision_matches_one_device(tmp_path, precision):
             for name, value in result["params"].items():
                 assert value.dtype == reference["params"][name].dtype, name
                 torch.testing.assert_close(value, reference["params"][name], rtol=2e-2, atol=1e-2, msg=f"pp={pp} {name}")
+
+
+def test_setup_error_raised_on_every_rank_prints_once():
+    """popen: both ranks fail, rank 0 prints the error, rank 1 one line pointing there."""
+    result = subprocess.run([sys.executable, "tests/scripts/setup_error.py"], cwd=ROOT, env=_env(),
+                            capture_output=True, text=True, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert output.count("Traceback (most recent call last)") == 1, output[-4000:]
+    assert output.count("into 3 microbatches") == 1, output[-4000:]
+    assert "[global rank 1] ValueError: the same error, printed in full by global rank 0." in output

@@ -13,6 +13,7 @@ the count of the thread that created the engine (see [Note: intra-op threads of 
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,7 +27,7 @@ from lightning_mp.strategy._exit import SpawnLauncher
 if TYPE_CHECKING:
     from lightning_mp.strategy._strategy import SMPStrategy
 
-__all__ = ["apply_thread_policy", "make_launcher", "resume_path_of"]
+__all__ = ["apply_thread_policy", "make_launcher", "print_on_one_rank", "resume_path_of"]
 
 
 def make_launcher(strategy: SMPStrategy, start_method: str) -> _Launcher:
@@ -82,3 +83,33 @@ def apply_thread_policy(num_processes: int) -> None:
     Idempotent: a process where a launcher already applied it has ``OMP_NUM_THREADS`` set, and is left alone.
     """
     _set_num_threads_if_needed(num_processes=max(1, num_processes))
+
+
+_PRINTED_BY = "_lightning_mp_printed_by"  # attribute on an error that another rank prints in full
+
+
+def print_on_one_rank(error: BaseException, printed_by: int, rank: int) -> BaseException:
+    """Mark ``error``, raised on every rank, so that only global rank ``printed_by`` prints its traceback.
+
+    Every rank still raises (so every process fails and exits); a process whose uncaught error is marked prints
+    one line naming the rank that prints it in full, instead of the same traceback once per rank (popen and
+    torchrun runs share one terminal; spawn/fork report one error through the parent anyway).
+    """
+    if rank != printed_by:
+        setattr(error, _PRINTED_BY, printed_by)
+        if not getattr(sys.excepthook, "_lightning_mp", False):
+            sys.excepthook = _excepthook_over(sys.excepthook, rank)
+    return error
+
+
+def _excepthook_over(previous: Callable, rank: int) -> Callable:
+    def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
+        printed_by = getattr(value, _PRINTED_BY, None)
+        if printed_by is None:
+            previous(kind, value, traceback)
+            return
+        print(f"[global rank {rank}] {kind.__name__}: the same error, printed in full by global rank {printed_by}.",
+              file=sys.stderr)
+
+    hook._lightning_mp = True  # type: ignore[attr-defined]
+    return hook

@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_mp.config import SMPConfig
 from lightning_mp.partition import ModelTrace, PartitionPlan, manual_placements, plan, trace
 from lightning_mp.pipeline import split_microbatches
+from lightning_mp.strategy._launch import print_on_one_rank
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -156,9 +157,10 @@ def broadcast_plan(result: tuple[PartitionPlan, Any] | BaseException | None, src
     status, *rest = payload[0]
     if status == "error":
         kind, message = rest
-        raise (ValueError if kind == "ValueError" else RuntimeError)(
+        error = (ValueError if kind == "ValueError" else RuntimeError)(
             f"Setup failed on global rank {src} while tracing one microbatch to partition the model: {message}"
         )
+        raise print_on_one_rank(error, printed_by=src, rank=dist.get_rank())
     return PartitionPlan.from_dict(rest[0])
 
 
