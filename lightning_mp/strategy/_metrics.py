@@ -67,6 +67,8 @@ class MetricCalls:
         Raises:
             ValueError: if a logged metric is not a submodule of ``module`` (Lightning requires that too).
         """
+        if not self._metrics:
+            return []
         names = {id(m): fqn for fqn, m in module.named_modules() if isinstance(m, Metric)}
         out = []
         for name, (metric, values, args, kwargs) in self._metrics.items():
