@@ -1,7 +1,8 @@
 """The one dataclass of every lightning_mp knob, validated on construction.
 
-Names follow the SageMaker model parallelism library (Karakus et al., 2021, "smp" v1 configuration
-keys) where a user would look for them; see ``shared/SMP_REFERENCE.md``.
+Names follow the SageMaker model parallelism library (Karakus et al., 2021, arXiv 2111.05972; the "smp" v1
+configuration keys such as ``partitions``, ``microbatches``, ``pipeline``, ``active_microbatches``,
+``auto_partition``, ``default_partition``, ``optimize``, ``memory_weight``) where a user would look for them.
 """
 
 from __future__ import annotations

@@ -213,12 +213,12 @@ def test_checkpoint_resume_matches_one_process(tmp_path, resume_pp):
         return lightning_mp.SMPStrategy(pipeline_parallel_degree=pp, microbatches=2, start_method="spawn")
 
     _fit_with_checkpoint(str(tmp_path / "first"), str(tmp_path / "ck"), smp(2), 2, STEPS)
-    assert (tmp_path / "ck" / "last.ckpt" / "meta.pt").is_file(), "a DCP folder with Lightning's metadata"
-    saved_plan = load_plan(str(tmp_path / "ck" / "last.ckpt"), Wrapped("tiedlm"), 2)
+    assert (tmp_path / "ck" / "last" / "meta.pt").is_file(), "a DCP folder (no .ckpt suffix) with Lightning's metadata"
+    saved_plan = load_plan(str(tmp_path / "ck" / "last"), Wrapped("tiedlm"), 2)
     assert saved_plan.stage_of["net.embed"] == saved_plan.stage_of["net.head"] == 0
     resumed = _fit_with_checkpoint(
         str(tmp_path / "second"), str(tmp_path / "ck2"), smp(resume_pp), resume_pp, 2 * STEPS,
-        ckpt_path=str(tmp_path / "ck" / "last.ckpt"),
+        ckpt_path=str(tmp_path / "ck" / "last"),
     )
     torch.testing.assert_close(resumed[0]["losses"], reference["losses"], rtol=1e-5, atol=1e-6)
     got = {name: value for result in resumed for name, value in result["params"].items()}

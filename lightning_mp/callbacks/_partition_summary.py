@@ -9,6 +9,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from lightning_mp.partition import ModelTrace, PartitionPlan
+from lightning_mp.partition._plan import holds_parameters
 
 __all__ = ["PartitionSummary", "StageSummary", "summarize_stages"]
 
@@ -50,7 +51,7 @@ def summarize_stages(plan: PartitionPlan, trace: ModelTrace) -> list[StageSummar
         flops[stage] += max(0.0, inclusive[fqn] - sum(inclusive[c] for c in record.children))
         if not record.children:
             activations[stage] += record.activation_bytes
-    shown = plan.display_modules()
+    shown = [[fqn for fqn in names if holds_parameters(trace, fqn)] for names in plan.display_modules()]
     return [
         StageSummary(s, shown[s], params[s], flops[s], activations[s], plan.stage_costs[s])
         for s in range(plan.num_stages)

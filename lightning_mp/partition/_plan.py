@@ -109,7 +109,7 @@ class PartitionPlan:
             record = trace.modules.get(fqn)
             num_params[stage] += record.num_params if record is not None else 0
         header = ("stage", "modules", "parameters", "cost")
-        shown = self.display_modules()
+        shown = [[fqn for fqn in names if holds_parameters(trace, fqn)] for names in self.display_modules()]
         rows = [
             (
                 str(stage),
@@ -711,3 +711,12 @@ def _render_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
 
     rule = "-+-".join("-" * width for width in widths)
     return "\n".join([line(header), rule, *(line(row) for row in rows)])
+
+
+def holds_parameters(trace: ModelTrace, fqn: str) -> bool:
+    """Whether the module (or one below it) holds parameters. Stateless modules (activations, torchmetrics
+    objects) run on whichever stage calls them, so placement tables leave them out. ``"<root>"`` always shows."""
+    record = trace.modules.get(fqn)
+    if record is None:
+        return True
+    return record.num_params > 0 or any(holds_parameters(trace, child) for child in record.children)

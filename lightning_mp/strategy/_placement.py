@@ -15,16 +15,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_mp.config import SMPConfig
 from lightning_mp.partition import ModelTrace, PartitionPlan, manual_placements, plan, trace
 from lightning_mp.pipeline import split_microbatches
+from lightning_mp.strategy._launch import print_on_one_rank
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["PLAN_KEY", "broadcast_plan", "load_plan", "make_plan", "single_stage_plan"]
+__all__ = ["PLAN_KEY", "broadcast_plan", "load_plan", "make_plan", "plan_saved_in", "single_stage_plan"]
 
 PLAN_KEY = "lightning_mp"  # checkpoint entry: {"partition_plan": PartitionPlan.to_dict()}
 
@@ -125,7 +126,7 @@ def _check_every_stage_has_parameters(stages: PartitionPlan, model_trace: ModelT
 
 
 def load_plan(path: str, module: torch.nn.Module, num_stages: int) -> PartitionPlan:
-    """Read a saved plan (JSON file or lightning_mp checkpoint folder) and check it fits ``module``.
+    """Read a saved plan (JSON file, lightning_mp checkpoint folder or file) and check it fits ``module``.
 
     Raises:
         FileNotFoundError: if ``path`` holds no plan.
@@ -137,8 +138,11 @@ def load_plan(path: str, module: torch.nn.Module, num_stages: int) -> PartitionP
     if source.is_dir():
         metadata = torch.load(source / "meta.pt", weights_only=False) if (source / "meta.pt").is_file() else {}
         data = metadata.get(PLAN_KEY, {}).get("partition_plan")
-    elif source.is_file():
+    elif source.is_file() and source.suffix == ".json":
         data = json.loads(source.read_text())
+    elif source.is_file():  # one full checkpoint file (save_distributed_checkpoint=False)
+        checkpoint = torch.load(source, map_location="cpu", mmap=True, weights_only=False)
+        data = checkpoint.get(PLAN_KEY, {}).get("partition_plan") if isinstance(checkpoint, dict) else None
     else:
         data = None
     if data is None:
@@ -162,6 +166,22 @@ def load_plan(path: str, module: torch.nn.Module, num_stages: int) -> PartitionP
     return loaded
 
 
+def plan_saved_in(path: Path, module: torch.nn.Module, num_stages: int) -> PartitionPlan | None:
+    """The plan saved in the checkpoint at ``path`` if it fits ``module`` and ``num_stages``, else ``None``.
+
+    Says in one line (global rank 0) whether it is reused. Every rank reads the same file, so all decide alike.
+    """
+    try:
+        saved = load_plan(str(path), module, num_stages)
+    except FileNotFoundError:  # e.g. a plain Lightning checkpoint: nothing to reuse
+        return None
+    except ValueError as err:  # another layout or model
+        rank_zero_info(f"lightning_mp: planning anew, the partition plan in {path} does not fit: {err}")
+        return None
+    rank_zero_info(f"lightning_mp: reusing the partition plan from {path}")
+    return saved
+
+
 def broadcast_plan(result: tuple[PartitionPlan, Any] | BaseException | None, src: int = 0) -> PartitionPlan:
     """Send the plan (or the error that prevented it) from ``src`` to every rank; raise the error everywhere."""
     payload = [None]
@@ -175,9 +195,10 @@ def broadcast_plan(result: tuple[PartitionPlan, Any] | BaseException | None, src
     status, *rest = payload[0]
     if status == "error":
         kind, message = rest
-        raise (ValueError if kind == "ValueError" else RuntimeError)(
+        error = (ValueError if kind == "ValueError" else RuntimeError)(
             f"Setup failed on global rank {src} while tracing one microbatch to partition the model: {message}"
         )
+        raise print_on_one_rank(error, printed_by=src, rank=dist.get_rank())
     return PartitionPlan.from_dict(rest[0])
 
 

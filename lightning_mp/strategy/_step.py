@@ -23,6 +23,9 @@ import torch
 import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
+from torchmetrics import Metric
+
+from lightning_mp.strategy._metrics import MetricCalls, MetricLog, load_metric_log
 
 __all__ = ["GradientStash", "LogRecorder", "StepSummary", "all_reduce_gradients", "detach_cpu", "replay_logs"]
 
@@ -71,6 +74,7 @@ class LogRecorder:
         self._lock = threading.Lock()
         self._calls: dict[str, _LogCall] = {}
         self._local = threading.local()
+        self._metrics = MetricCalls()  # torchmetrics objects, see [Note: metrics in a pipelined step]
 
     def __enter__(self) -> LogRecorder:
         self._module.log = self._record  # instance attribute shadows the method
@@ -89,6 +93,10 @@ class LogRecorder:
             self._local.index = None
 
     def _record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(value, Metric):
+            with self._lock:
+                self._metrics.record(name, value, args, kwargs)
+            return
         value = _loggable_value(value)
         index = getattr(self._local, "index", None)
         with self._lock:
@@ -118,16 +126,13 @@ class LogRecorder:
             if isinstance(value, tuple):  # torch.max/min over a dim return (values, indices)
                 value = value[0]
             logs.append((call.name, value.to(torch.float32), call.args, call.kwargs))
-        return logs
+        return logs + self._metrics.logs(self._module)
 
 
 def _loggable_value(value: Any) -> Any:
-    """A tensor or number for one microbatch. A torchmetrics ``Metric`` gives its value on that microbatch."""
+    """A tensor or number for one microbatch (``Metric`` objects are recorded apart, see ``_metrics``)."""
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()
-    if hasattr(value, "compute") and hasattr(value, "_forward_cache"):  # torchmetrics.Metric
-        cached = value._forward_cache
-        return (cached if cached is not None else value.compute()).detach().cpu()
     if isinstance(value, (int, float, bool)):
         return float(value)
     if isinstance(value, dict):
@@ -138,10 +143,14 @@ def _loggable_value(value: Any) -> Any:
 def replay_logs(module: Any, logs: list[tuple[str, Any, tuple, dict]], dp_group: Any | None) -> None:
     """Call ``module.log`` once per recorded name (on every rank, same order).
 
-    ``sync_dist=True`` reduces over the data-parallel group (``dp_group``), not the world: every stage of a
-    replica logs the same value, so a world-wide sum would count it once per stage.
+    A torchmetrics ``Metric`` is logged as the object (Lightning computes, syncs and resets it), holding the
+    driver's state (see [Note: metrics in a pipelined step]). ``sync_dist=True`` reduces over the data-parallel
+    group (``dp_group``), not the world: every stage of a replica logs the same value, so a world-wide sum would
+    count it once per stage.
     """
     for name, value, args, kwargs in logs:
+        if isinstance(value, MetricLog):  # the driver's metric state, loaded into this rank's copy
+            value = load_metric_log(module, value)
         if kwargs.get("sync_dist") and kwargs.get("sync_dist_group") is None and dp_group is not None:
             kwargs = {**kwargs, "sync_dist_group": dp_group}
         module.log(name, value, *args, **kwargs)

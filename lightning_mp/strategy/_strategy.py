@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from collections.abc import Mapping
 from datetime import timedelta
 from functools import partial
@@ -25,7 +26,6 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
@@ -40,8 +40,23 @@ from lightning_mp.callbacks import PartitionSummary
 from lightning_mp.partition import ModelTrace, PartitionPlan, manual_placements
 from lightning_mp.pipeline import MicrobatchSplitError, PipelineEngine, merge_microbatches, split_microbatches
 from lightning_mp.strategy import _checkpoint
-from lightning_mp.strategy._exit import SpawnLauncher, release_at_exit
-from lightning_mp.strategy._placement import PLAN_KEY, broadcast_plan, load_plan, make_plan, single_stage_plan
+from lightning_mp.strategy._exit import release_at_exit
+from lightning_mp.strategy._launch import apply_thread_policy, make_launcher
+from lightning_mp.strategy._metrics import sync_metrics_over
+from lightning_mp.strategy._precision import install_synced_scaler, loss_scale_of
+from lightning_mp.strategy._summary import (
+    gather_parameter_counts,
+    silence_single_replica_sync_advice,
+    summarize_whole_model,
+)
+from lightning_mp.strategy._placement import (
+    PLAN_KEY,
+    broadcast_plan,
+    load_plan,
+    make_plan,
+    plan_saved_in,
+    single_stage_plan,
+)
 from lightning_mp.strategy._step import (
     GradientStash,
     LogRecorder,
@@ -87,6 +102,13 @@ class SMPStrategy(ParallelStrategy):
         process_group_backend: ``None`` picks gloo on CPU, NCCL on CUDA.
         timeout: how long any rank waits for a peer before raising (collectives and pipeline messages).
         start_method: ``"popen"`` (re-run the script per rank, like ``ddp``) or ``"spawn"``/``"fork"``.
+        save_distributed_checkpoint: as in Lightning's ``ModelParallelStrategy``: ``True`` writes a folder of DCP
+            shards per checkpoint (every rank writes its own part; resumable at any layout); ``False`` writes one
+            full Lightning checkpoint file from global rank 0, which ``Model.load_from_checkpoint`` and any other
+            strategy read. Either kind resumes an ``smp`` run, as does a plain Lightning checkpoint file.
+        replan_on_resume: a run resumed with ``fit(ckpt_path=...)`` reuses the partition plan saved in that
+            checkpoint when it fits the model and ``pipeline_parallel_degree`` (else it plans anew, and says so);
+            ``True`` always plans anew.
 
     Raises:
         ValueError: at construction for invalid values (see :class:`lightning_mp.SMPConfig`); at setup for a world
@@ -115,6 +137,8 @@ class SMPStrategy(ParallelStrategy):
         timeout: timedelta = default_pg_timeout,
         deterministic_order: bool | None = None,
         start_method: Literal["popen", "spawn", "fork"] = "popen",
+        save_distributed_checkpoint: bool = True,
+        replan_on_resume: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -147,6 +171,10 @@ class SMPStrategy(ParallelStrategy):
             deterministic_order=deterministic_order,
         )
         self._start_method = start_method
+        self._save_distributed_checkpoint = save_distributed_checkpoint
+        self._param_order: list[str] | None = None  # the whole model's parameter FQNs, before placement
+        self._replan_on_resume = replan_on_resume
+        self._resume_path: Path | None = None  # set by the launcher (see `resume_path_of` in _launch.py)
         self.num_nodes = 1
         self._topology: Topology | None = None
         self._device_mesh: DeviceMesh | None = None
@@ -212,8 +240,17 @@ class SMPStrategy(ParallelStrategy):
 
     @property
     def is_distributed(self) -> bool:
-        """Lightning reads this from custom strategies to insert a ``DistributedSampler``."""
-        return True
+        """Whether data is sharded over replicas: Lightning reads this to insert a ``DistributedSampler``.
+
+        With one data-parallel replica (pipeline or tensor parallelism only) every rank reads the whole loader as
+        the user built it, so ``shuffle=False`` keeps its order, as on one device. With ``dp > 1`` Lightning injects
+        ``DistributedSampler`` over the data-parallel axis exactly as under ``ddp`` (training loaders shuffled with
+        the global seed, whatever the loader's own ``shuffle``; pass ``use_distributed_sampler=False`` to keep your
+        own sampler). Before the processes are launched it is ``True`` (the layout is not known yet).
+        """
+        if self._topology is None:
+            return True
+        return self._topology.data_parallel_degree > 1
 
     @property
     @override
@@ -233,16 +270,12 @@ class SMPStrategy(ParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if self._start_method == "popen":
-            if not self.cluster_environment.creates_processes_externally:
-                self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = SpawnLauncher(self, start_method=self._start_method)
+        self._launcher = make_launcher(self, self._start_method)  # see [Note: threads per process] in _launch.py
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        apply_thread_policy(self.num_processes)  # for launch paths without a launcher; see _launch.py
         reset_seed()
         self.set_world_ranks()
         backend = self.config.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
@@ -326,12 +359,24 @@ class SMPStrategy(ParallelStrategy):
         self._check_supported(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        if self._param_order is None:
+            self._param_order = [fqn for fqn, _ in self.model.named_parameters()]
+        if self._save_distributed_checkpoint:
+            _checkpoint.name_checkpoint_folders(trainer.checkpoint_callbacks)
         self._place_modules(trainer)
+        if self.topology.pipeline_parallel_degree * self.topology.tensor_parallel_degree > 1:
+            sync_metrics_over(self.lightning_module, self.device_mesh.get_group(MeshAxis.DP.value))
+        if self.topology.pipeline_parallel_degree > 1:  # Lightning's summary counts the whole model
+            counts = gather_parameter_counts(self.lightning_module, self.device_mesh.get_group(MeshAxis.PP.value))
+            summarize_whole_model(trainer.callbacks, counts)
+        if self.topology.data_parallel_degree == 1:
+            silence_single_replica_sync_advice()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if self.config.pipeline_parallel_degree > 1:
                 self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm
         self.setup_precision_plugin()
+        install_synced_scaler(self.precision_plugin, _group.WORLD)  # see [Note: GradScaler over stages]
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
@@ -354,11 +399,6 @@ class SMPStrategy(ParallelStrategy):
                 "The 'smp' strategy runs backward inside the pipeline, so manual optimization"
                 " (`self.automatic_optimization = False`) is not supported. Use automatic optimization."
             )
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError(
-                "precision='16-mixed' uses a GradScaler, which the 'smp' pipeline does not support yet."
-                " Use precision='bf16-mixed' or '32-true'."
-            )
 
     def _place_modules(self, trainer: pl.Trainer) -> None:
         """Trace and plan on global rank 0, broadcast, keep this stage's modules (see ``_placement``)."""
@@ -375,11 +415,18 @@ class SMPStrategy(ParallelStrategy):
         elif self.config.partition_plan is not None:
             self._plan = load_plan(self.config.partition_plan, module, self.config.pipeline_parallel_degree)
             rank_zero_info(f"lightning_mp: reusing the partition plan from {self.config.partition_plan}")
+        elif (
+            self._resume_path is not None
+            and not self._replan_on_resume
+            and (saved := plan_saved_in(self._resume_path, module, self.config.pipeline_parallel_degree)) is not None
+        ):
+            self._plan = saved
         else:
             result: Any = None
             if self.global_rank == 0:
-                try:
-                    result = make_plan(trainer, self.config, self.batch_to_device)
+                try:  # the sample goes in as the loop would give it (device, then the precision's dtype)
+                    with self.precision_plugin.forward_context():
+                        result = make_plan(trainer, self.config, self._sample_to_device)
                 except Exception as err:  # every rank must learn of it, or the others wait in the broadcast
                     result = err
             self._plan = broadcast_plan(result)
@@ -387,10 +434,6 @@ class SMPStrategy(ParallelStrategy):
                 self._trace = result[1]
                 if not any(isinstance(c, PartitionSummary) for c in trainer.callbacks):  # it prints a fuller table
                     rank_zero_info("lightning_mp partition plan:\n" + self._plan.format_table(self._trace))
-                rank_zero_info(
-                    "lightning_mp: Lightning's model summary counts the parameters of pipeline stage 0 only"
-                    " (global rank 0); the partition table covers every stage."
-                )
             if module.example_input_array is not None:
                 rank_zero_warn(
                     "`example_input_array` cannot run through the pipeline outside a step, so it is cleared after"
@@ -400,6 +443,9 @@ class SMPStrategy(ParallelStrategy):
         assert self._engine is not None
         self._engine.install(module, self._plan.stage_of, self._plan.ordered_state)
         self._engine.order_gradients(module)
+
+    def _sample_to_device(self, batch: Any) -> Any:
+        return self.precision_plugin.convert_input(self.batch_to_device(batch))
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -424,7 +470,9 @@ class SMPStrategy(ParallelStrategy):
                 self.precision_plugin.train_step_context,
                 args,
                 kwargs,
-                loss_scale=(self.config.microbatches, trainer.accumulate_grad_batches),
+                loss_scale=_LossScale(
+                    self.config.microbatches, trainer.accumulate_grad_batches, loss_scale_of(self.precision_plugin)
+                ),
             )
         finally:
             self._grads.end()
@@ -448,11 +496,11 @@ class SMPStrategy(ParallelStrategy):
         return _to_device(summary.output, self.root_device)
 
     def _pipelined_step(
-        self, hook: str, context: Any, args: tuple, kwargs: dict, loss_scale: tuple[int, int] | None = None
+        self, hook: str, context: Any, args: tuple, kwargs: dict, loss_scale: _LossScale | None = None
     ) -> StepSummary:
         """Run ``hook`` per microbatch through the pipeline; every rank gets the step's summary.
 
-        ``loss_scale=(microbatches, accumulate_grad_batches)`` makes it a training step (backward per microbatch).
+        A ``loss_scale`` makes it a training step (backward per microbatch).
         """
         assert self._engine is not None
         module = self.lightning_module
@@ -569,9 +617,7 @@ class SMPStrategy(ParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
-        return _checkpoint.optimizer_state_dict(self.model, optimizer)
+        return _checkpoint.optimizer_state_dict(self.model, _unwrap(optimizer))
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -579,12 +625,27 @@ class SMPStrategy(ParallelStrategy):
             raise TypeError("The 'smp' strategy saves through torch.distributed.checkpoint; `storage_options` is unused.")
         path = Path(self.broadcast(str(filepath)))
         checkpoint[PLAN_KEY] = {"partition_plan": self.partition_plan.to_dict()}
-        _checkpoint.save_checkpoint(checkpoint, path, self.is_global_zero)
+        if self._save_distributed_checkpoint:
+            _checkpoint.save_checkpoint(checkpoint, path, self.is_global_zero)
+            return
+        if self.topology.dp_rank == 0 and self.topology.tp_rank == 0:  # replica 0's stages hold the whole model
+            assert self._param_order is not None
+            _checkpoint.save_full_checkpoint(
+                checkpoint, path, self.model, [_unwrap(o) for o in self.optimizers], self._param_order,
+                self.device_mesh.get_group(MeshAxis.PP.value), self.checkpoint_io if self.is_global_zero else None,
+            )
+        self.barrier("save_checkpoint")
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
-        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        optimizers = [_unwrap(o) for o in self.optimizers]
+        if path.is_file():  # one full file: a plain Lightning checkpoint, or save_distributed_checkpoint=False
+            assert self._param_order is not None
+            return _checkpoint.load_full_checkpoint(
+                path, self.model, optimizers, self._param_order, self.device_mesh.get_group(MeshAxis.PP.value),
+                strict=self.lightning_module.strict_loading, weights_only=weights_only,
+            )
         return _checkpoint.load_checkpoint(
             path, self.model, optimizers, strict=self.lightning_module.strict_loading, weights_only=weights_only
         )
@@ -633,11 +694,26 @@ def _num_tokens(output: Any) -> float | None:
     return None
 
 
-def _scaled_loss(output: Any, scale: tuple[int, int] | None) -> Tensor | None:
-    """The tensor a microbatch backpropagates: loss / (microbatches x accumulate), or loss x n / accumulate."""
+@dataclass(frozen=True)
+class _LossScale:
+    """What a microbatch's loss is multiplied by before its backward (see ``_scaled_loss``).
+
+    Attributes:
+        microbatches: microbatches per batch.
+        accumulate: Lightning's ``accumulate_grad_batches``.
+        grad_scale: the GradScaler's scale under ``16-mixed`` (see [Note: GradScaler over stages]), else 1.
+    """
+
+    microbatches: int
+    accumulate: int
+    grad_scale: float = 1.0
+
+
+def _scaled_loss(output: Any, scale: _LossScale | None) -> Tensor | None:
+    """The tensor a microbatch backpropagates: loss x grad_scale / (microbatches x accumulate), or, token-weighted
+    (see [Note: token-weighted losses]), loss x n x grad_scale / accumulate."""
     if scale is None or output is None:
         return None
-    microbatches, accumulate = scale
     loss = output.get("loss") if isinstance(output, Mapping) else output
     if not isinstance(loss, Tensor):
         raise TypeError(
@@ -645,8 +721,8 @@ def _scaled_loss(output: Any, scale: tuple[int, int] | None) -> Tensor | None:
         )
     n = _num_tokens(output)
     if n is None:
-        return loss / (microbatches * accumulate)
-    return None if n == 0 else loss * (n / accumulate)
+        return loss * scale.grad_scale / (scale.microbatches * scale.accumulate)
+    return None if n == 0 else loss * (n * scale.grad_scale) / scale.accumulate
 
 
 def _summarize(outputs: list[Any], recorder: LogRecorder) -> StepSummary:
@@ -669,6 +745,10 @@ def _summarize(outputs: list[Any], recorder: LogRecorder) -> StepSummary:
     dtype = outputs[0]["loss"].dtype
     merged["loss"] = weighted.to(dtype if dtype.is_floating_point else torch.float32)
     return StepSummary(merged, recorder.reduced(weights=counts), num_tokens=total)
+
+
+def _unwrap(optimizer: Any) -> Optimizer:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
