@@ -17,6 +17,7 @@ that skip weight init on a meta device context (transformers 5.x) still run thei
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -86,13 +87,36 @@ class InitRecord:
     # meta storages, kept alive so that their ids (``_cdata``) stay unique while the record lives
     _storages: list[Any] = field(default_factory=list, repr=False)
     _sid_of: dict[int, int] = field(default_factory=dict, repr=False)
+    _modules: Any = field(default_factory=weakref.WeakSet, repr=False)
+    # module tensors at the end of the build, by Python object: found again after `model.to(dtype)` on meta
+    # (meta tensors cost nothing; the record is dropped after materialisation)
+    _by_object: dict[int, tuple[Any, TensorRef]] = field(default_factory=dict, repr=False)
+    _by_slot: dict[tuple[int, str], tuple[Any, TensorRef]] = field(default_factory=dict, repr=False)
 
-    def ref(self, tensor: torch.Tensor) -> TensorRef | None:
-        """The :class:`TensorRef` of ``tensor`` if its storage was made during this build, else ``None``."""
+    def ref(self, tensor: torch.Tensor, slot: tuple[nn.Module, str] | None = None) -> TensorRef | None:
+        """How ``tensor`` was made during this build, or ``None``.
+
+        Found by storage, else (after ``model.to(dtype)`` on meta made new storages) by the parameter object or
+        by the ``(module, name)`` slot a buffer was registered in at the end of the build.
+        """
         sid = self._sid_of.get(tensor.untyped_storage()._cdata)
-        if sid is None:
-            return None
-        return TensorRef(sid, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor.dtype)
+        if sid is not None:
+            return TensorRef(sid, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor.dtype)
+        held, ref = self._by_object.get(id(tensor), (None, None))
+        if held is not tensor and slot is not None:
+            module, name = slot
+            held, ref = self._by_slot.get((id(module), name), (None, None))
+            held = tensor if held is module else None
+        if held is tensor and ref is not None and ref.shape == tuple(tensor.shape):
+            return ref
+        return None
+
+    def _remember_module_tensors(self) -> None:
+        for module in self._modules:
+            for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
+                if tensor is not None and (ref := self.ref(tensor)) is not None:
+                    self._by_object[id(tensor)] = (tensor, ref)  # strong: swap_tensors refuses weakly referenced ones
+                    self._by_slot[(id(module), name)] = (module, ref)
 
     def _ref_or_add(self, tensor: torch.Tensor) -> TensorRef:
         storage = tensor.untyped_storage()
@@ -246,6 +270,7 @@ def delay_param_initialization() -> Iterator[InitRecord | None]:
         _ACTIVE.record = None
         for handle in handles:
             handle.remove()
+    record._remember_module_tensors()
     from lightning_mp.init._replay import advance_rng  # noqa: PLC0415 (import cycle)
 
     advance_rng(record)
@@ -256,8 +281,10 @@ def _tag_modules_with(record: InitRecord) -> list[Any]:
 
     def tag(module: nn.Module, name: str, value: Any) -> None:
         module.__dict__[_RECORD_ATTR] = record
+        record._modules.add(module)
         if isinstance(value, nn.Module):
             value.__dict__.setdefault(_RECORD_ATTR, record)
+            record._modules.add(value)
 
     modules = torch.nn.modules.module
     return [

@@ -42,6 +42,7 @@ class MaterializeReport:
         ops_run: tape ops run for real.
         ops_scratch: random ops run on scratch tensors (other ranks' tensors).
         max_scratch_bytes: the largest scratch allocation.
+        peak_bytes: the most bytes of real (non-scratch) storages alive at once during the replay.
     """
 
     num_tensors: int
@@ -49,6 +50,7 @@ class MaterializeReport:
     ops_run: int
     ops_scratch: int
     max_scratch_bytes: int
+    peak_bytes: int = 0
 
 
 class _Storages:
@@ -123,7 +125,7 @@ def replay(record: InitRecord, kept: Iterable[int]) -> tuple[dict[int, torch.Unt
     kept = set(kept)
     need, last = _needed(record.ops, kept), _last_use(record.ops)
     storages = _Storages(record)
-    ran = scratched = max_scratch = 0
+    ran = scratched = max_scratch = peak = 0
     devices = list(range(len(record.cuda_rng_states)))
     with torch.random.fork_rng(devices=devices):
         _set_start_state(record)
@@ -143,13 +145,14 @@ def replay(record: InitRecord, kept: Iterable[int]) -> tuple[dict[int, torch.Unt
                 max_scratch = max(max_scratch, nbytes)
                 del result
                 scratched += 1
+            peak = max(peak, sum(s.nbytes() for s in storages.real.values()))
             for sid in op.reads | op.writes:
                 if last[sid] == index and sid not in kept:
                     storages.real.pop(sid, None)
     real = {sid: storages.real[sid] for sid in kept if sid in storages.real}
     report = MaterializeReport(
         num_tensors=0, kept_bytes=sum(s.nbytes() for s in real.values()), ops_run=ran, ops_scratch=scratched,
-        max_scratch_bytes=max_scratch,
+        max_scratch_bytes=max_scratch, peak_bytes=peak,
     )
     return real, report
 
@@ -169,14 +172,14 @@ def _set_start_state(record: InitRecord) -> None:
         torch.cuda.set_rng_state(state, device)
 
 
-def _meta_tensors(model: nn.Module) -> dict[int, tuple[str, torch.Tensor]]:
-    """Distinct meta parameters and buffers still held by ``model``, under their first FQN."""
-    found: dict[int, tuple[str, torch.Tensor]] = {}
+def _meta_tensors(model: nn.Module) -> dict[int, tuple[str, torch.Tensor, tuple[nn.Module, str]]]:
+    """Distinct meta parameters and buffers still held by ``model``: first FQN, tensor, (module, name) slot."""
+    found: dict[int, tuple[str, torch.Tensor, tuple[nn.Module, str]]] = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
         for kind in ("_parameters", "_buffers"):
             for name, tensor in getattr(module, kind).items():
                 if tensor is not None and tensor.is_meta and id(tensor) not in found:
-                    found[id(tensor)] = (f"{prefix}.{name}" if prefix else name, tensor)
+                    found[id(tensor)] = (f"{prefix}.{name}" if prefix else name, tensor, (module, name))
     return found
 
 
@@ -205,8 +208,8 @@ def materialize_module(
     targets = _meta_tensors(model)
     if not targets:
         return MaterializeReport(0, 0, 0, 0, 0)
-    refs = {key: record.ref(t) if record is not None else None for key, (_, t) in targets.items()}
-    missing = [fqn for key, (fqn, _) in targets.items() if refs[key] is None]
+    refs = {key: record.ref(t, slot) if record is not None else None for key, (_, t, slot) in targets.items()}
+    missing = [fqn for key, (fqn, _, _) in targets.items() if refs[key] is None]
     if missing:
         raise RuntimeError(
             f"Tensors {missing[:5]} are on the meta device but were not built under"
@@ -216,7 +219,7 @@ def materialize_module(
     real, report = replay(record, {ref.sid for ref in refs.values()})
     storages = _Storages(record)
     storages.real = real
-    for key, (fqn, meta) in targets.items():
+    for key, (fqn, meta, _) in targets.items():
         value = storages.view(refs[key]).to(device=device, dtype=meta.dtype)
         if shard_fn is not None:
             value = shard_fn(fqn, value)
@@ -227,5 +230,5 @@ def materialize_module(
     forget_record(model)
     return MaterializeReport(
         num_tensors=len(targets), kept_bytes=report.kept_bytes, ops_run=report.ops_run,
-        ops_scratch=report.ops_scratch, max_scratch_bytes=report.max_scratch_bytes,
+        ops_scratch=report.ops_scratch, max_scratch_bytes=report.max_scratch_bytes, peak_bytes=report.peak_bytes,
     )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from dataclasses import replace
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -38,7 +40,9 @@ from lightning_mp.config import SMPConfig
 from lightning_mp.callbacks import PartitionSummary
 from lightning_mp.partition import ModelTrace, PartitionPlan, manual_placements
 from lightning_mp.pipeline import MicrobatchSplitError, PipelineEngine, merge_microbatches, split_microbatches
+from lightning_mp.init import delay_param_initialization
 from lightning_mp.strategy import _checkpoint
+from lightning_mp.strategy._delayed import is_delayed, materialize_stage, meta_trace_inputs
 from lightning_mp.strategy._exit import SpawnLauncher, release_at_exit
 from lightning_mp.strategy._placement import PLAN_KEY, broadcast_plan, load_plan, make_plan, single_stage_plan
 from lightning_mp.strategy._step import (
@@ -49,6 +53,7 @@ from lightning_mp.strategy._step import (
     detach_cpu,
     replay_logs,
 )
+from lightning_mp.strategy._zero import local_optimizer, shard_optimizer, sync_hyperparameters_from_local
 from lightning_mp.topology import MeshAxis, Topology, build_device_mesh
 
 if TYPE_CHECKING:
@@ -86,6 +91,12 @@ class SMPStrategy(ParallelStrategy):
         process_group_backend: ``None`` picks gloo on CPU, NCCL on CUDA.
         timeout: how long any rank waits for a peer before raising (collectives and pipeline messages).
         start_method: ``"popen"`` (re-run the script per rank, like ``ddp``) or ``"spawn"``/``"fork"``.
+        delayed_parameter_initialization: build the model of ``configure_model`` on meta; each rank allocates and
+            initialises only its own stage, bitwise as an eager build (models built under
+            ``lightning_mp.delay_param_initialization()`` or ``trainer.init_module(empty_init=True)`` are delayed
+            anyway).
+        shard_optimizer_state: ZeRO-1 over the data-parallel group: each dp rank keeps 1/dp of its stage's
+            optimizer state (see [Note: sharded optimizer state] in ``_zero.py``).
 
     Raises:
         ValueError: at construction for invalid values (see :class:`lightning_mp.SMPConfig`); at setup for a world
@@ -114,6 +125,8 @@ class SMPStrategy(ParallelStrategy):
         timeout: timedelta = default_pg_timeout,
         deterministic_order: bool | None = None,
         start_method: Literal["popen", "spawn", "fork"] = "popen",
+        delayed_parameter_initialization: bool = False,
+        shard_optimizer_state: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -144,6 +157,8 @@ class SMPStrategy(ParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
             deterministic_order=deterministic_order,
+            delayed_parameter_initialization=delayed_parameter_initialization,
+            shard_optimizer_state=shard_optimizer_state,
         )
         self._start_method = start_method
         self.num_nodes = 1
@@ -260,6 +275,23 @@ class SMPStrategy(ParallelStrategy):
             self._engine = self._build_engine()
             release_at_exit(self)  # see [Note: exit-time abort] in _exit.py
 
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """With ``empty_init=True`` (``trainer.init_module``) or ``delayed_parameter_initialization`` (for
+        ``configure_model``): build under :func:`lightning_mp.delay_param_initialization`, else as Lightning does."""
+        delayed = empty_init or (empty_init is None and self.config.delayed_parameter_initialization)
+        if not delayed:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with self.root_device, delay_param_initialization(), self.precision_plugin.tensor_init_context():
+            yield
+
+    def enable_delayed_parameter_initialization(self) -> None:
+        """Turn on delayed init for ``configure_model`` (the ``DelayedParameterInit`` callback calls this)."""
+        self.config = replace(self.config, delayed_parameter_initialization=True)
+
     def _release_process_groups(self) -> None:
         """Drop every object that holds a process group (at exit, after they were destroyed)."""
         self._engine = None
@@ -352,6 +384,11 @@ class SMPStrategy(ParallelStrategy):
                 "The 'smp' strategy runs backward inside the pipeline, so manual optimization"
                 " (`self.automatic_optimization = False`) is not supported. Use automatic optimization."
             )
+        if self.config.trace_execution_times and is_delayed(module):
+            raise ValueError(
+                "trace_execution_times=True cannot time a model built under delayed parameter initialisation (it is"
+                " traced on the meta device). Drop trace_execution_times, or build the model eagerly."
+            )
         if getattr(self.precision_plugin, "scaler", None) is not None:
             raise ValueError(
                 "precision='16-mixed' uses a GradScaler, which the 'smp' pipeline does not support yet."
@@ -377,7 +414,8 @@ class SMPStrategy(ParallelStrategy):
             result: Any = None
             if self.global_rank == 0:
                 try:
-                    result = make_plan(trainer, self.config, self.batch_to_device)
+                    to_device = meta_trace_inputs(self.batch_to_device) if is_delayed(module) else self.batch_to_device
+                    result = make_plan(trainer, self.config, to_device)
                 except Exception as err:  # every rank must learn of it, or the others wait in the broadcast
                     result = err
             self._plan = broadcast_plan(result)
@@ -397,15 +435,29 @@ class SMPStrategy(ParallelStrategy):
                 module.example_input_array = None
         assert self._engine is not None
         self._engine.install(module, self._plan.stage_of)
+        if is_delayed(module):  # only this stage's tensors are left: allocate and initialise them
+            materialize_stage(module, self.root_device, self.pp_rank)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
+        if self.config.shard_optimizer_state and self.topology.data_parallel_degree > 1:
+            self._shard_optimizers()
+
+    def _shard_optimizers(self) -> None:
+        """ZeRO-1 over this stage's dp group; schedulers follow (see [Note: sharded optimizer state])."""
+        group = self.device_mesh.get_group(MeshAxis.DP.value)
+        sharded = {id(o): shard_optimizer(o, group) for o in self.optimizers}
+        for config in self.lr_scheduler_configs:
+            config.scheduler.optimizer = sharded.get(id(config.scheduler.optimizer), config.scheduler.optimizer)
+        self.optimizers = list(sharded.values())
 
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
+        if is_delayed(self.model):
+            return  # meta until partitioned; each stage is materialised on the root device in `_place_modules`
         self.model.to(self.root_device)
 
     # ---- steps -----------------------------------------------------------------------------------------------
@@ -551,7 +603,7 @@ class SMPStrategy(ParallelStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        return _checkpoint.optimizer_state_dict(self.model, optimizer)
+        return _checkpoint.optimizer_state_dict(self.model, local_optimizer(optimizer))
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -565,9 +617,13 @@ class SMPStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
-        return _checkpoint.load_checkpoint(
-            path, self.model, optimizers, strict=self.lightning_module.strict_loading, weights_only=weights_only
+        checkpoint = _checkpoint.load_checkpoint(
+            path, self.model, [local_optimizer(o) for o in optimizers], strict=self.lightning_module.strict_loading,
+            weights_only=weights_only,
         )
+        for optimizer in optimizers:
+            sync_hyperparameters_from_local(optimizer)
+        return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
