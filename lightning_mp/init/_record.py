@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["InitRecord", "TensorRef", "delay_param_initialization", "find_record", "is_recording"]
+__all__ = ["InitRecord", "SetRngState", "TensorRef", "delay_param_initialization", "find_record", "is_recording"]
 
 _RECORD_ATTR = "_lightning_mp_init_record"
 _ACTIVE = threading.local()
@@ -67,6 +67,14 @@ class RecordedOp:
     random: bool
 
 
+@dataclass(frozen=True)
+class SetRngState:
+    """The CPU generator was re-seeded inside the build (``torch.manual_seed``, ``seed_everything``): the replay
+    sets this state at this point of the tape."""
+
+    state: torch.Tensor
+
+
 @dataclass
 class InitRecord:
     """Everything a build under :func:`delay_param_initialization` did, replayable per rank.
@@ -79,7 +87,7 @@ class InitRecord:
         cuda_rng_states: the CUDA generator states when the build started (empty if CUDA was not initialised).
     """
 
-    ops: list[RecordedOp] = field(default_factory=list)
+    ops: list[RecordedOp | SetRngState] = field(default_factory=list)
     storage_nbytes: list[int] = field(default_factory=list)
     constants: dict[int, torch.Tensor] = field(default_factory=dict)
     cpu_rng_state: torch.Tensor | None = None
@@ -162,6 +170,14 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.record = record
         self._twins: dict[int, torch.Tensor] = {}  # real storage id -> a meta tensor over a twin storage
+        self._rng_state = record.cpu_rng_state  # meta ops draw nothing: it changes only by re-seeding
+
+    def note_reseed(self) -> None:
+        """Put a :class:`SetRngState` on the tape if the CPU generator was re-seeded since the last random op."""
+        state = torch.get_rng_state()
+        if self._rng_state is None or not torch.equal(state, self._rng_state):
+            self.record.ops.append(SetRngState(state))
+            self._rng_state = state
 
     def _to_meta(self, value: Any) -> Any:
         """Real tensors from outside the build become meta twins; their data is kept as a constant."""
@@ -190,6 +206,8 @@ class _Recorder(TorchDispatchMode):
                 " `generator=` or build this model eagerly."
             )
         args, kwargs = tree_map(self._to_meta, (args, kwargs))
+        if _is_random(func):
+            self.note_reseed()
         run_kwargs = kwargs
         if "device" in {a.name for a in func._schema.arguments}:
             run_kwargs = {**kwargs, "device": torch.device("meta")}
@@ -263,9 +281,11 @@ def delay_param_initialization() -> Iterator[InitRecord | None]:
         record.cuda_rng_states = torch.cuda.get_rng_state_all()
     handles = _tag_modules_with(record)
     _ACTIVE.record = record
+    recorder = _Recorder(record)
     try:
-        with _Recorder(record):
+        with recorder:
             yield record
+        recorder.note_reseed()  # a re-seed after the last random op still sets the state code after the block sees
     finally:
         _ACTIVE.record = None
         for handle in handles:

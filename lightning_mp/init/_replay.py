@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_mp.init._record import InitRecord, RecordedOp, TensorRef, find_record, forget_record
+from lightning_mp.init._record import InitRecord, RecordedOp, SetRngState, TensorRef, find_record, forget_record
 
 __all__ = ["MaterializeReport", "ShardFn", "advance_rng", "materialize_module", "replay"]
 
@@ -84,17 +84,19 @@ class _Storages:
         self.view(ref).copy_(result)
 
 
-def _needed(ops: list[RecordedOp], kept: set[int]) -> set[int]:
+def _needed(ops: list[RecordedOp | SetRngState], kept: set[int]) -> set[int]:
     need = set(kept)
     for op in reversed(ops):
-        if op.writes & need:
+        if isinstance(op, RecordedOp) and op.writes & need:
             need |= op.reads
     return need
 
 
-def _last_use(ops: list[RecordedOp]) -> dict[int, int]:
+def _last_use(ops: list[RecordedOp | SetRngState]) -> dict[int, int]:
     last: dict[int, int] = {}
     for index, op in enumerate(ops):
+        if isinstance(op, SetRngState):
+            continue
         for sid in op.reads | op.writes:
             last[sid] = index
     return last
@@ -130,6 +132,9 @@ def replay(record: InitRecord, kept: Iterable[int]) -> tuple[dict[int, torch.Unt
     with torch.random.fork_rng(devices=devices):
         _set_start_state(record)
         for index, op in enumerate(record.ops):
+            if isinstance(op, SetRngState):
+                torch.set_rng_state(op.state)
+                continue
             if op.writes & need:
                 result = _run(op, storages.view)
                 fresh = [o for o in op.outputs if o.sid in op.writes and o.sid not in storages.real]
@@ -161,7 +166,9 @@ def advance_rng(record: InitRecord) -> None:
     """Move the process's generators forward by the build's draws (all on scratch), as an eager build would."""
     _set_start_state(record)
     for op in record.ops:
-        if op.random:
+        if isinstance(op, SetRngState):
+            torch.set_rng_state(op.state)
+        elif op.random:
             _run(op, _scratch)
 
 
