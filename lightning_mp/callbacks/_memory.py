@@ -113,11 +113,19 @@ class ActivationCheckpointing(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         is_local = _local_predicate(trainer, pl_module)
         names = {id(m): f for f, m in pl_module.named_modules()}
+        split = []
         for fqn, module in select_modules(pl_module, self.modules):
             if not is_local(module):
-                continue  # another stage's module (or split over stages: its local children are matched by it)
+                if not isinstance(module, nn.Sequential):
+                    continue  # another stage's module
+                split.append(fqn)  # split over stages: its local children, one by one
             for wrapped in set_activation_checkpointing(module, self.preserve_rng_state, self.strategy, is_local):
                 self.applied.append(names[id(wrapped)])
+        if split and self.strategy != "each":
+            rank_zero_warn(
+                f"ActivationCheckpointing(strategy={self.strategy!r}): {split} span pipeline stages, so their local"
+                " children are checkpointed one by one ('each'). Name the blocks of one stage to group them."
+            )
         if not self.applied:
             rank_zero_warn(f"ActivationCheckpointing({self.modules!r}) found no module on global rank 0's stage.")
         rank_zero_info(f"lightning_mp: activation checkpointing on {len(self.applied)} modules of this stage")

@@ -9,7 +9,8 @@ random state of the forward, so dropout draws the same masks.
 
 For an ``nn.Sequential`` the ``strategy`` says how its children are grouped: ``"each"`` checkpoints every child,
 ``"contiguous"`` all of them as one segment, ``"group_N"`` consecutive groups of N. Grouping replaces the
-Sequential's own forward, so it needs every child on this rank; otherwise each local child is checkpointed.
+Sequential's own forward, so it needs every child on this rank; a Sequential split over pipeline stages (whose
+remote runs the engine sends child by child) has each of its local children checkpointed instead.
 """
 
 from __future__ import annotations
@@ -117,20 +118,19 @@ def set_activation_checkpointing(
     size = _group_size(strategy, len(module) if isinstance(module, nn.Sequential) else 1)
     if is_checkpointed(module):
         raise ValueError(f"{type(module).__name__} is already checkpointed; apply set_activation_checkpointing once.")
-    if not isinstance(module, nn.Sequential) or (strategy != "each" and "forward" in module.__dict__):
+    if not isinstance(module, nn.Sequential):
         if not local(module):
             raise ValueError(
                 f"{type(module).__name__} does not run wholly on this rank; checkpoint modules of one stage only."
             )
         _wrap(module, module.forward, preserve_rng_state)
         return [module]
-    children = list(module)
-    if size > 1 and all(local(child) for child in children) and "forward" not in module.__dict__:
+    if size > 1 and local(module) and "forward" not in module.__dict__:
         module.__dict__[_ORIGINAL] = None
         module.forward = _grouped_forward(module, size, preserve_rng_state)
         return [module]
     wrapped = []
-    for child in children:  # "each", or a Sequential split over stages: its local children one by one
+    for child in module:  # "each", or a Sequential split over stages: its local children one by one
         if local(child) and not is_checkpointed(child):
             _wrap(child, child.forward, preserve_rng_state)
             wrapped.append(child)

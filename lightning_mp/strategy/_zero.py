@@ -13,6 +13,7 @@ keyed by parameter FQN, so nothing is consolidated on one rank and a resume can 
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch.distributed as dist
@@ -36,7 +37,11 @@ def shard_optimizer(optimizer: Optimizer, group: dist.ProcessGroup) -> ZeroRedun
             f" for {len(optimizer.state)} parameters. Do not step optimizers inside `configure_optimizers`."
         )
     groups = [dict(g) for g in optimizer.param_groups]
-    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=group, **optimizer.defaults)
+    # only what the constructor takes: `defaults` may hold derived keys (AdamW's `decoupled_weight_decay`); the
+    # param groups carry every key to the local optimizer anyway
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=group, **defaults)
 
 
 def local_optimizer(optimizer: Any) -> Optimizer:
