@@ -444,6 +444,11 @@ class SMPStrategy(ParallelStrategy):
         super().setup_optimizers(trainer)
         if self.config.shard_optimizer_state and self.topology.data_parallel_degree > 1:
             self._shard_optimizers()
+        elif self.config.shard_optimizer_state:
+            rank_zero_warn(
+                "shard_optimizer_state=True has no effect with one data-parallel replica (world size = pipeline x"
+                " tensor parallel degree); use more devices to shard the optimizer state."
+            )
 
     def _shard_optimizers(self) -> None:
         """ZeRO-1 over this stage's dp group; schedulers follow (see [Note: sharded optimizer state])."""
