@@ -105,8 +105,10 @@ class ActivationOffloader:
         self.stats.unpack_order.append((packed.microbatch, packed.index))
         loaded = packed.loaded
         assert loaded is not None
-        if loaded.device.type == "cuda":
-            torch.cuda.current_stream(loaded.device).wait_stream(self._side_stream(loaded.device))
+        if loaded.device.type == "cuda":  # made on the side stream, used on the current one
+            current = torch.cuda.current_stream(loaded.device)
+            current.wait_stream(self._side_stream(loaded.device))
+            loaded.record_stream(current)
         return loaded
 
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
