@@ -159,7 +159,8 @@ class MemoryProbe(L.Callback):
         params = list(pl_module.parameters())
         self.row["params"] = _storage_bytes(params)
         self.row["grads"] = _storage_bytes(p.grad for p in params)
-        self.row["optimizer"] = _storage_bytes(t for s in local.state.values() for t in s.values() if torch.is_tensor(t))
+        states = [t for state in local.state.values() for t in state.values() if torch.is_tensor(t)]
+        self.row["optimizer"] = _storage_bytes(states)
         Path(self.out_dir, f"{trainer.global_rank}.json").write_text(json.dumps(self.row))
 
 

@@ -371,3 +371,19 @@ def test_memory_savers_config_trains_through_the_cli(tmp_path):
     assert "delayed init materialised stage 0" in output
     assert "activation checkpointing on" in output
     assert "shard_optimizer_state=True has no effect with one data-parallel replica" in output
+
+
+@pytest.mark.parametrize(("strategy", "segments"), [("each", 4), ("group_2", 2), ("group_3", 2), ("contiguous", 1)])
+def test_grouping_strategies_make_one_checkpoint_per_group(strategy, segments):
+    """Each checkpoint saves one input: counted by an offloader on every checkpointed module."""
+    reference, model = _pair()
+    set_activation_checkpointing(model.blocks, strategy=strategy)
+    offloader = ActivationOffloader(horizon=1)
+    for module in [model.blocks, *model.blocks]:
+        module.__dict__["_lightning_mp_offloader"] = offloader
+    x = torch.randn(6, 8)
+    _, grads = _step(model, x)
+    _, expected = _step(reference, x)
+    assert offloader.stats.packs == offloader.stats.unpacks == segments
+    for name, grad in grads.items():
+        assert torch.equal(grad, expected[name]), name

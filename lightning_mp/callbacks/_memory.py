@@ -79,7 +79,8 @@ def select_modules(model: nn.Module, patterns: list[type | str]) -> list[tuple[s
         if not hits:
             raise ValueError(
                 f"ActivationCheckpointing: {pattern!r} matches no module (give a class, a class path such as"
-                f" 'examples.gpt.Block', a class name, an FQN or a glob such as 'h.*'). Some FQNs: {[f for f, _ in named[1:6]]}."
+                " 'examples.gpt.Block', a class name, an FQN or a glob such as 'h.*')."
+                f" Some FQNs: {[f for f, _ in named[1:6]]}."
             )
         chosen.update(hits)
     fqns = sorted(chosen, key=[f for f, _ in named].index)

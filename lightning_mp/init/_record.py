@@ -225,7 +225,8 @@ class _Recorder(TorchDispatchMode):
         rec_args, rec_kwargs = tree_map(ref, (args, kwargs))
         outputs = tuple(ref(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
         reads = frozenset(r.sid for r in tree_flatten((rec_args, rec_kwargs))[0] if isinstance(r, TensorRef))
-        mutated = {record.ref(t).sid for t in tree_flatten(_mutated_args(func, args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        written = tree_flatten(_mutated_args(func, args, kwargs))[0]
+        mutated = {record.ref(t).sid for t in written if isinstance(t, torch.Tensor)}
         new = {o.sid for o in outputs if o.sid >= known}
         record.ops.append(
             RecordedOp(func, rec_args, rec_kwargs, outputs, reads, frozenset(mutated | new), _is_random(func))

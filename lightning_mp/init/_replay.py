@@ -146,9 +146,9 @@ def replay(record: InitRecord, kept: Iterable[int]) -> tuple[dict[int, torch.Unt
                 ran += 1
             elif op.random:
                 result = _run(op, _scratch)
-                nbytes = sum(r.numel() * r.element_size() for r in tree_flatten(result)[0] if isinstance(r, torch.Tensor))
-                max_scratch = max(max_scratch, nbytes)
-                del result
+                outputs = [r for r in tree_flatten(result)[0] if isinstance(r, torch.Tensor)]
+                max_scratch = max(max_scratch, sum(r.numel() * r.element_size() for r in outputs))
+                del result, outputs
                 scratched += 1
             peak = max(peak, sum(s.nbytes() for s in storages.real.values()))
             for sid in op.reads | op.writes:
