@@ -340,6 +340,8 @@ def test_switch_arguments_are_validated_and_the_callbacks_need_smp():
         lightning_mp.SMPConfig(shard_optimizer_state="yes")
     with pytest.raises(ValueError, match="at least one module"):
         lightning_mp.ActivationCheckpointing([])
+    with pytest.raises(ValueError, match="'every' is not one of"):
+        lightning_mp.ActivationCheckpointing([Block], strategy="every")
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
                         callbacks=[lightning_mp.DelayedParameterInit()])
     with pytest.raises(ValueError, match="DelayedParameterInit needs strategy='smp', got SingleDeviceStrategy"):

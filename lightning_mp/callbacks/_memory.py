@@ -17,7 +17,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_mp.memory import ActivationOffloader, checkpointed_modules, set_activation_checkpointing
-from lightning_mp.memory._checkpointing import OFFLOADER_ATTR
+from lightning_mp.memory._checkpointing import OFFLOADER_ATTR, _group_size, is_checkpointed
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -105,6 +105,7 @@ class ActivationCheckpointing(Callback):
     def __init__(self, modules: list[Any], strategy: str = "each", preserve_rng_state: bool = True) -> None:
         if not modules:
             raise ValueError("ActivationCheckpointing needs at least one module (a class, FQN or glob) in `modules`.")
+        _group_size(strategy, 1)  # fail at construction on an unknown strategy
         self.modules = list(modules)
         self.strategy = strategy
         self.preserve_rng_state = preserve_rng_state
@@ -114,11 +115,15 @@ class ActivationCheckpointing(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         is_local = _local_predicate(trainer, pl_module)
         names = {id(m): f for f, m in pl_module.named_modules()}
-        split = []
+        split, skipped = [], []
         for fqn, module in select_modules(pl_module, self.modules):
+            if is_checkpointed(module):
+                continue  # a second fit in the same processes
             if not is_local(module):
                 if not isinstance(module, nn.Sequential):
-                    continue  # another stage's module
+                    if any(is_local(m) and next(m.parameters(recurse=False), None) is not None for m in module.modules()):
+                        skipped.append(fqn)  # split over stages: cannot be one checkpoint
+                    continue  # (else another stage's module)
                 split.append(fqn)  # split over stages: its local children, one by one
             for wrapped in set_activation_checkpointing(module, self.preserve_rng_state, self.strategy, is_local):
                 self.applied.append(names[id(wrapped)])
@@ -126,6 +131,11 @@ class ActivationCheckpointing(Callback):
             rank_zero_warn(
                 f"ActivationCheckpointing(strategy={self.strategy!r}): {split} span pipeline stages, so their local"
                 " children are checkpointed one by one ('each'). Name the blocks of one stage to group them."
+            )
+        if skipped:
+            rank_zero_warn(
+                f"ActivationCheckpointing: {skipped} span pipeline stages and are not checkpointed; name their"
+                " children (modules of one stage) instead."
             )
         if not self.applied:
             rank_zero_warn(f"ActivationCheckpointing({self.modules!r}) found no module on global rank 0's stage.")
