@@ -19,7 +19,12 @@ delayed-init fit under a measured per-rank cap (``RssCap``: resident memory samp
 when it passes its start + budget; ``RLIMIT_AS`` fails at thread creation long before) and reports whether
 each built and trained.
 
-Run: ``python benchmarks/memory.py`` (about ten minutes on two cores; ``--n-layer 2 --n-embd 64`` for a smoke run).
+Workers run with ``MALLOC_MMAP_THRESHOLD_=131072`` (``--glibc-default`` to keep glibc's dynamic threshold, under
+which freed tensors stay resident in the engine threads' malloc arenas and every rank shows about one extra
+gradient's worth of memory after the first step).
+
+Run: ``python benchmarks/memory.py --budget-mb 650`` (about twelve minutes on two cores; ``--n-layer 2
+--n-embd 64`` for a smoke run).
 """
 
 from __future__ import annotations
@@ -119,6 +124,13 @@ class BenchGPT(L.LightningModule):
         if self.optimizer_name == "sgd":
             return torch.optim.SGD(self.parameters(), lr=1e-3)
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.optimizer_name == "sgd":
+            # The budget demo frees the previous step's gradients here (they were applied already): the pipeline's
+            # backward runs inside `training_step`, before Lightning's own `zero_grad`, so they would otherwise
+            # still be alive while the next step makes new ones.
+            self.zero_grad(set_to_none=True)
 
     def train_dataloader(self) -> DataLoader:
         g = torch.Generator().manual_seed(0)
@@ -233,7 +245,8 @@ class RssCap(L.Callback):
 
 
 def budget_demo(args: argparse.Namespace) -> list[str]:
-    """pp=4 eager vs pp=4 delayed init of a wider GPT under one per-rank cap (plain SGD: 2x own params to train).
+    """pp=4 eager vs pp=4 delayed init of a wider GPT under one per-rank cap (plain SGD: 2x own params to train,
+    gradients freed at the start of each batch).
 
     An eager rank holds the whole model while it builds (4x its own parameters at pp=4) before dropping the other
     stages; a delayed rank never holds more than its own, so a cap between the two separates them.
@@ -259,7 +272,13 @@ def _run_worker(index: int, extra: list[str], args: argparse.Namespace) -> list[
     if "--n-layer" not in extra:
         base += ["--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd)]
     command = [sys.executable, __file__, "--worker", str(index), *base, *extra]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    env = dict(os.environ)
+    if not args.glibc_default:
+        # A fixed mmap threshold: blocks above 128 KiB are mapped and unmapped, so resident memory follows live
+        # tensors. glibc's default threshold grows after the first large free, and then freed gradients and
+        # activations stay resident in the engine threads' arenas (about one extra gradient copy per rank).
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1800, env=env)
     for line in done.stdout.splitlines():
         if line.startswith(_MARK):
             return json.loads(line[len(_MARK):])
@@ -289,9 +308,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="per data-parallel replica")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--only", default=None, help="comma-separated indices into the settings list")
-    parser.add_argument("--budget-mb", type=int, default=0, help="also run pp=4 eager and delayed under this cap")
+    parser.add_argument("--budget-mb", type=int, default=0, help="also run pp=4 eager and delayed under this cap (650)")
     parser.add_argument("--budget-n-layer", type=int, default=16)
     parser.add_argument("--budget-n-embd", type=int, default=1024)
+    parser.add_argument("--glibc-default", action="store_true", help="keep glibc's dynamic mmap threshold")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--cap-mb", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--optimizer", default="adamw", help=argparse.SUPPRESS)
