@@ -11,12 +11,23 @@ work after ``import lightning_mp``.
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_mp import callbacks, partition
-from lightning_mp.callbacks import PartitionSummary, PipelineTimeline
+from lightning_mp.callbacks import (
+    ActivationCheckpointing,
+    ActivationOffloading,
+    DelayedParameterInit,
+    PartitionSummary,
+    PipelineTimeline,
+)
 from lightning_mp.config import SMPConfig
+from lightning_mp.init import delay_param_initialization, materialize_module
+from lightning_mp.memory import set_activation_checkpointing
 from lightning_mp.strategy import SMPStrategy
 from lightning_mp.topology import MeshAxis, Topology
 
 __all__ = [
+    "ActivationCheckpointing",
+    "ActivationOffloading",
+    "DelayedParameterInit",
     "MeshAxis",
     "PartitionSummary",
     "PipelineTimeline",
@@ -24,7 +35,10 @@ __all__ = [
     "SMPStrategy",
     "Topology",
     "callbacks",
+    "delay_param_initialization",
+    "materialize_module",
     "partition",
+    "set_activation_checkpointing",
 ]
 __version__ = "0.1.0"
 

@@ -91,6 +91,16 @@ class SMPConfig:
     Costs one small message per task from the leader; requires the replicas to make the same calls (no
     data-dependent control flow that differs between replicas). ``None``: on when ``tensor_parallel_degree > 1``."""
 
+    delayed_parameter_initialization: bool = False
+    """Build the model in ``configure_model`` without allocating parameters (SMP's
+    ``delayed_parameter_initialization``): the trace runs on meta and each rank allocates and initialises only
+    its own stage, bitwise as an eager one-process build with the same seed. Models built under
+    ``lightning_mp.delay_param_initialization()`` or ``trainer.init_module(empty_init=True)`` are delayed anyway."""
+
+    shard_optimizer_state: bool = False
+    """ZeRO-1 (SMP's ``shard_optimizer_state``): each data-parallel rank keeps and steps 1/dp of its stage's
+    optimizer state (``torch.distributed.optim.ZeroRedundancyOptimizer``); checkpoints save the shards through DCP."""
+
     def __post_init__(self) -> None:
         for name in ("pipeline_parallel_degree", "tensor_parallel_degree", "microbatches"):
             value = getattr(self, name)
@@ -118,6 +128,9 @@ class SMPConfig:
                 )
         if self.deterministic_order not in (None, True, False):
             raise ValueError(f"`deterministic_order` must be True, False or None, got {self.deterministic_order!r}.")
+        for name in ("delayed_parameter_initialization", "shard_optimizer_state"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
         if self.timeout.total_seconds() <= 0:
             raise ValueError(f"`timeout` must be positive, got {self.timeout}.")
 

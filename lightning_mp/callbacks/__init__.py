@@ -1,5 +1,6 @@
-"""User-facing views and switches: the partition summary and the pipeline timeline (more come with later features)."""
+"""User-facing views and switches: the partition summary, the pipeline timeline, and the memory savers."""
 
+from lightning_mp.callbacks._memory import ActivationCheckpointing, ActivationOffloading, DelayedParameterInit
 from lightning_mp.callbacks._partition_summary import PartitionSummary, StageSummary, summarize_stages
 from lightning_mp.callbacks._pipeline_timeline import (
     BubbleReport,
@@ -11,7 +12,10 @@ from lightning_mp.callbacks._pipeline_timeline import (
 )
 
 __all__ = [
+    "ActivationCheckpointing",
+    "ActivationOffloading",
     "BubbleReport",
+    "DelayedParameterInit",
     "PartitionSummary",
     "PipelineTimeline",
     "RankTimeline",

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -39,6 +40,7 @@ from lightning_mp.config import SMPConfig
 from lightning_mp.callbacks import PartitionSummary
 from lightning_mp.partition import ModelTrace, PartitionPlan, manual_placements
 from lightning_mp.pipeline import MicrobatchSplitError, PipelineEngine, merge_microbatches, split_microbatches
+from lightning_mp.init import delay_param_initialization
 from lightning_mp.strategy import _checkpoint
 from lightning_mp.strategy._exit import release_at_exit
 from lightning_mp.strategy._launch import apply_thread_policy, make_launcher
@@ -57,6 +59,7 @@ from lightning_mp.strategy._placement import (
     plan_saved_in,
     single_stage_plan,
 )
+from lightning_mp.strategy._delayed import is_delayed, materialize_stage, meta_trace_inputs
 from lightning_mp.strategy._step import (
     GradientStash,
     LogRecorder,
@@ -65,6 +68,7 @@ from lightning_mp.strategy._step import (
     detach_cpu,
     replay_logs,
 )
+from lightning_mp.strategy._zero import local_optimizer, shard_optimizer, sync_hyperparameters_from_local
 from lightning_mp.topology import MeshAxis, Topology, build_device_mesh
 
 if TYPE_CHECKING:
@@ -109,6 +113,12 @@ class SMPStrategy(ParallelStrategy):
         replan_on_resume: a run resumed with ``fit(ckpt_path=...)`` reuses the partition plan saved in that
             checkpoint when it fits the model and ``pipeline_parallel_degree`` (else it plans anew, and says so);
             ``True`` always plans anew.
+        delayed_parameter_initialization: build the model of ``configure_model`` on meta; each rank allocates and
+            initialises only its own stage, bitwise as an eager build (models built under
+            ``lightning_mp.delay_param_initialization()`` or ``trainer.init_module(empty_init=True)`` are delayed
+            anyway).
+        shard_optimizer_state: ZeRO-1 over the data-parallel group: each dp rank keeps 1/dp of its stage's
+            optimizer state (see [Note: sharded optimizer state] in ``_zero.py``).
 
     Raises:
         ValueError: at construction for invalid values (see :class:`lightning_mp.SMPConfig`); at setup for a world
@@ -139,6 +149,8 @@ class SMPStrategy(ParallelStrategy):
         start_method: Literal["popen", "spawn", "fork"] = "popen",
         save_distributed_checkpoint: bool = True,
         replan_on_resume: bool = False,
+        delayed_parameter_initialization: bool = False,
+        shard_optimizer_state: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -169,6 +181,8 @@ class SMPStrategy(ParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
             deterministic_order=deterministic_order,
+            delayed_parameter_initialization=delayed_parameter_initialization,
+            shard_optimizer_state=shard_optimizer_state,
         )
         self._start_method = start_method
         self._save_distributed_checkpoint = save_distributed_checkpoint
@@ -294,6 +308,23 @@ class SMPStrategy(ParallelStrategy):
             self._engine = self._build_engine()
             release_at_exit(self)  # see [Note: exit-time abort] in _exit.py
 
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """With ``empty_init=True`` (``trainer.init_module``) or ``delayed_parameter_initialization`` (for
+        ``configure_model``): build under :func:`lightning_mp.delay_param_initialization`, else as Lightning does."""
+        delayed = empty_init or (empty_init is None and self.config.delayed_parameter_initialization)
+        if not delayed:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with self.root_device, delay_param_initialization(), self.precision_plugin.tensor_init_context():
+            yield
+
+    def enable_delayed_parameter_initialization(self) -> None:
+        """Turn on delayed init for ``configure_model`` (the ``DelayedParameterInit`` callback calls this)."""
+        self.config = replace(self.config, delayed_parameter_initialization=True)
+
     def _release_process_groups(self) -> None:
         """Drop every object that holds a process group (at exit, after they were destroyed)."""
         self._engine = None
@@ -399,6 +430,11 @@ class SMPStrategy(ParallelStrategy):
                 "The 'smp' strategy runs backward inside the pipeline, so manual optimization"
                 " (`self.automatic_optimization = False`) is not supported. Use automatic optimization."
             )
+        if self.config.trace_execution_times and is_delayed(module):
+            raise ValueError(
+                "trace_execution_times=True cannot time a model built under delayed parameter initialisation (it is"
+                " traced on the meta device). Drop trace_execution_times, or build the model eagerly."
+            )
 
     def _place_modules(self, trainer: pl.Trainer) -> None:
         """Trace and plan on global rank 0, broadcast, keep this stage's modules (see ``_placement``)."""
@@ -424,9 +460,10 @@ class SMPStrategy(ParallelStrategy):
         else:
             result: Any = None
             if self.global_rank == 0:
-                try:  # the sample goes in as the loop would give it (device, then the precision's dtype)
+                try:  # the sample goes in as the loop would give it (device, then the precision's dtype; meta if delayed)
+                    to_device = meta_trace_inputs(self._sample_to_device) if is_delayed(module) else self._sample_to_device
                     with self.precision_plugin.forward_context():
-                        result = make_plan(trainer, self.config, self._sample_to_device)
+                        result = make_plan(trainer, self.config, to_device)
                 except Exception as err:  # every rank must learn of it, or the others wait in the broadcast
                     result = err
             self._plan = broadcast_plan(result)
@@ -442,6 +479,8 @@ class SMPStrategy(ParallelStrategy):
                 module.example_input_array = None
         assert self._engine is not None
         self._engine.install(module, self._plan.stage_of, self._plan.ordered_state)
+        if is_delayed(module):  # only this stage's tensors are left: allocate and initialise them
+            materialize_stage(module, self.root_device, self.pp_rank)
         self._engine.order_gradients(module)
 
     def _sample_to_device(self, batch: Any) -> Any:
@@ -451,10 +490,27 @@ class SMPStrategy(ParallelStrategy):
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
+        if self.config.shard_optimizer_state and self.topology.data_parallel_degree > 1:
+            self._shard_optimizers()
+        elif self.config.shard_optimizer_state:
+            rank_zero_warn(
+                "shard_optimizer_state=True has no effect with one data-parallel replica (world size = pipeline x"
+                " tensor parallel degree); use more devices to shard the optimizer state."
+            )
+
+    def _shard_optimizers(self) -> None:
+        """ZeRO-1 over this stage's dp group; schedulers follow (see [Note: sharded optimizer state])."""
+        group = self.device_mesh.get_group(MeshAxis.DP.value)
+        sharded = {id(o): shard_optimizer(o, group) for o in self.optimizers}
+        for config in self.lr_scheduler_configs:
+            config.scheduler.optimizer = sharded.get(id(config.scheduler.optimizer), config.scheduler.optimizer)
+        self.optimizers = list(sharded.values())
 
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
+        if is_delayed(self.model):
+            return  # meta until partitioned; each stage is materialised on the root device in `_place_modules`
         self.model.to(self.root_device)
 
     # ---- steps -----------------------------------------------------------------------------------------------
@@ -617,7 +673,7 @@ class SMPStrategy(ParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return _checkpoint.optimizer_state_dict(self.model, _unwrap(optimizer))
+        return _checkpoint.optimizer_state_dict(self.model, local_optimizer(_unwrap(optimizer)))
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -640,15 +696,20 @@ class SMPStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         optimizers = [_unwrap(o) for o in self.optimizers]
+        local = [local_optimizer(o) for o in optimizers]
         if path.is_file():  # one full file: a plain Lightning checkpoint, or save_distributed_checkpoint=False
             assert self._param_order is not None
-            return _checkpoint.load_full_checkpoint(
-                path, self.model, optimizers, self._param_order, self.device_mesh.get_group(MeshAxis.PP.value),
+            checkpoint = _checkpoint.load_full_checkpoint(
+                path, self.model, local, self._param_order, self.device_mesh.get_group(MeshAxis.PP.value),
                 strict=self.lightning_module.strict_loading, weights_only=weights_only,
             )
-        return _checkpoint.load_checkpoint(
-            path, self.model, optimizers, strict=self.lightning_module.strict_loading, weights_only=weights_only
-        )
+        else:
+            checkpoint = _checkpoint.load_checkpoint(
+                path, self.model, local, strict=self.lightning_module.strict_loading, weights_only=weights_only
+            )
+        for optimizer in optimizers:
+            sync_hyperparameters_from_local(optimizer)
+        return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -1,0 +1,19 @@
+"""Delayed parameter initialisation: build on meta, initialise only what a rank owns, bitwise as eager.
+
+Torch only (no Lightning): :func:`delay_param_initialization` records a build, :func:`materialize_module`
+replays it for the tensors a model still holds. See [Note: delayed init replays the eager init record] in
+``_record.py``.
+"""
+
+from lightning_mp.init._record import InitRecord, delay_param_initialization, find_record, is_recording
+from lightning_mp.init._replay import MaterializeReport, ShardFn, materialize_module
+
+__all__ = [
+    "InitRecord",
+    "MaterializeReport",
+    "ShardFn",
+    "delay_param_initialization",
+    "find_record",
+    "is_recording",
+    "materialize_module",
+]

@@ -1,0 +1,336 @@
+"""Recording a model build on the meta device: the init record of :func:`delay_param_initialization`.
+
+[Note: delayed init replays the eager init record]
+A model built under :func:`delay_param_initialization` allocates nothing: a recording
+:class:`~torch.utils._python_dispatch.TorchDispatchMode` sends every factory op to the meta device and appends
+every aten op to a tape, with each tensor named by its storage (``_TensorRef``: storage id, shape, stride,
+offset, dtype). After partitioning, a rank replays the tape from the random-number state the build started
+with (:mod:`lightning_mp.init._replay`): ops that write a storage it needs run for real, random ops on other
+storages run on a same-shape scratch tensor that is freed at once, and everything else is skipped. CPU
+generators cannot skip ahead, so drawing the same numbers in the same order is the only way the owned tensors
+come out bitwise equal to an eager one-process build with the same seed, on every layout. When the block exits,
+the process's generators are moved forward by the same draws (scratch only), so code after the build sees the
+random state an eager build leaves. The dispatch mode is not a ``torch.device("meta")`` context, so libraries
+that skip weight init on a meta device context (transformers 5.x) still run their init, and the tape gets it.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = ["InitRecord", "SetRngState", "TensorRef", "delay_param_initialization", "find_record", "is_recording"]
+
+_RECORD_ATTR = "_lightning_mp_init_record"
+_ACTIVE = threading.local()
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor seen on the tape, named by its storage: a view ``as_strided(storage, shape, stride, offset)``."""
+
+    sid: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+
+
+@dataclass
+class RecordedOp:
+    """One aten call of the build, with tensors replaced by :class:`TensorRef`.
+
+    Attributes:
+        func: the aten overload that ran.
+        args, kwargs: its arguments as given (factory ``device`` as requested, not meta).
+        outputs: the tensor outputs, flattened.
+        reads: storage ids of every tensor argument.
+        writes: storage ids of mutated arguments and of outputs with a storage new at this op.
+        random: whether the op draws from a generator (``Tag.nondeterministic_seeded``).
+    """
+
+    func: torch._ops.OpOverload
+    args: tuple
+    kwargs: dict
+    outputs: tuple[TensorRef, ...]
+    reads: frozenset[int]
+    writes: frozenset[int]
+    random: bool
+
+
+@dataclass(frozen=True)
+class SetRngState:
+    """The CPU generator was re-seeded inside the build (``torch.manual_seed``, ``seed_everything``): the replay
+    sets this state at this point of the tape."""
+
+    state: torch.Tensor
+
+
+@dataclass
+class InitRecord:
+    """Everything a build under :func:`delay_param_initialization` did, replayable per rank.
+
+    Attributes:
+        ops: the tape, in execution order.
+        storage_nbytes: bytes of each storage, by storage id.
+        constants: real tensors that came from outside the build (e.g. ``torch.tensor([...])`` data), by storage id.
+        cpu_rng_state: the CPU generator state when the build started.
+        cuda_rng_states: the CUDA generator states when the build started (empty if CUDA was not initialised).
+    """
+
+    ops: list[RecordedOp | SetRngState] = field(default_factory=list)
+    storage_nbytes: list[int] = field(default_factory=list)
+    constants: dict[int, torch.Tensor] = field(default_factory=dict)
+    cpu_rng_state: torch.Tensor | None = None
+    cuda_rng_states: list[torch.Tensor] = field(default_factory=list)
+    # meta storages, kept alive so that their ids (``_cdata``) stay unique while the record lives
+    _storages: list[Any] = field(default_factory=list, repr=False)
+    _sid_of: dict[int, int] = field(default_factory=dict, repr=False)
+    _modules: Any = field(default_factory=weakref.WeakSet, repr=False)
+    # module tensors at the end of the build, by Python object: found again after `model.to(dtype)` on meta
+    # (meta tensors cost nothing; the record is dropped after materialisation)
+    _by_object: dict[int, tuple[Any, TensorRef]] = field(default_factory=dict, repr=False)
+    _by_slot: dict[tuple[int, str], tuple[Any, TensorRef]] = field(default_factory=dict, repr=False)
+
+    def ref(self, tensor: torch.Tensor, slot: tuple[nn.Module, str] | None = None) -> TensorRef | None:
+        """How ``tensor`` was made during this build, or ``None``.
+
+        Found by storage, else (after ``model.to(dtype)`` on meta made new storages) by the parameter object or
+        by the ``(module, name)`` slot a buffer was registered in at the end of the build.
+        """
+        sid = self._sid_of.get(tensor.untyped_storage()._cdata)
+        if sid is not None:
+            return TensorRef(sid, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor.dtype)
+        held, ref = self._by_object.get(id(tensor), (None, None))
+        if held is not tensor and slot is not None:
+            module, name = slot
+            held, ref = self._by_slot.get((id(module), name), (None, None))
+            held = tensor if held is module else None
+        if held is tensor and ref is not None and ref.shape == tuple(tensor.shape):
+            return ref
+        return None
+
+    def _remember_module_tensors(self) -> None:
+        for module in self._modules:
+            for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
+                if tensor is not None and (ref := self.ref(tensor)) is not None:
+                    self._by_object[id(tensor)] = (tensor, ref)  # strong: swap_tensors refuses weakly referenced ones
+                    self._by_slot[(id(module), name)] = (module, ref)
+
+    def _ref_or_add(self, tensor: torch.Tensor) -> TensorRef:
+        storage = tensor.untyped_storage()
+        if storage._cdata not in self._sid_of:
+            self._sid_of[storage._cdata] = len(self.storage_nbytes)
+            self.storage_nbytes.append(storage.nbytes())
+            self._storages.append(storage)
+        ref = self.ref(tensor)
+        assert ref is not None
+        return ref
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "A model built under lightning_mp.delay_param_initialization() cannot be pickled (e.g. to processes"
+            " started with start_method='spawn'): its init record names meta storages of this process. Use"
+            " start_method='popen' or 'fork', or build the model in `configure_model` with"
+            " SMPStrategy(delayed_parameter_initialization=True) or the DelayedParameterInit callback."
+        )
+
+
+def _is_random(func: torch._ops.OpOverload) -> bool:
+    return torch.Tag.nondeterministic_seeded in func.tags
+
+
+def _mutated_args(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[Any]:
+    """The values passed to arguments the schema marks as written (``Tensor(a!)``)."""
+    written = []
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        if argument.kwarg_only or index >= len(args):
+            if argument.name in kwargs:
+                written.append(kwargs[argument.name])
+        else:
+            written.append(args[index])
+    return written
+
+
+class _Recorder(TorchDispatchMode):
+    """Factories to meta, every op on the tape (see [Note: delayed init replays the eager init record])."""
+
+    def __init__(self, record: InitRecord) -> None:
+        super().__init__()
+        self.record = record
+        self._twins: dict[int, torch.Tensor] = {}  # real storage id -> a meta tensor over a twin storage
+        self._rng_state = record.cpu_rng_state  # meta ops draw nothing: it changes only by re-seeding
+
+    def note_reseed(self) -> None:
+        """Put a :class:`SetRngState` on the tape if the CPU generator was re-seeded since the last random op."""
+        state = torch.get_rng_state()
+        if self._rng_state is None or not torch.equal(state, self._rng_state):
+            self.record.ops.append(SetRngState(state))
+            self._rng_state = state
+
+    def _to_meta(self, value: Any) -> Any:
+        """Real tensors from outside the build become meta twins; their data is kept as a constant."""
+        if not isinstance(value, torch.Tensor) or value.is_meta:
+            return value
+        storage = value.untyped_storage()
+        base = self._twins.get(storage._cdata)
+        if base is None:
+            base = torch.empty(storage.nbytes(), dtype=torch.uint8, device="meta")
+            self._twins[storage._cdata] = base
+            sid = self.record._ref_or_add(base).sid
+            self.record.constants[sid] = torch.empty(0, dtype=torch.uint8, device=value.device).set_(storage)
+        return base.view(value.dtype).as_strided(value.shape, value.stride(), value.storage_offset())
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.lift_fresh.default:
+            # `torch.tensor(data)`: the data is already real; it stays real (libraries probe the device of a
+            # context this way, e.g. transformers' `get_torch_context_manager_or_global_device`). Ops that use it
+            # with build tensors record it as a constant.
+            return args[0]
+        if any(isinstance(a, torch.Generator) for a in tree_flatten((args, kwargs))[0]):
+            raise RuntimeError(
+                f"{func} was called with an explicit torch.Generator while building under delayed parameter"
+                " initialisation; the replay draws from the default generator only. Initialise without"
+                " `generator=` or build this model eagerly."
+            )
+        args, kwargs = tree_map(self._to_meta, (args, kwargs))
+        if _is_random(func):
+            self.note_reseed()
+        run_kwargs = kwargs
+        if "device" in {a.name for a in func._schema.arguments}:
+            run_kwargs = {**kwargs, "device": torch.device("meta")}
+        try:
+            out = func(*args, **run_kwargs)
+        except (NotImplementedError, RuntimeError) as err:
+            raise RuntimeError(_meta_failure_message(func, err)) from err
+        self._append(func, args, kwargs, out)
+        return out
+
+    def _append(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        record = self.record
+        known = len(record.storage_nbytes)
+        ref = lambda x: record._ref_or_add(x) if isinstance(x, torch.Tensor) else x  # noqa: E731
+        rec_args, rec_kwargs = tree_map(ref, (args, kwargs))
+        outputs = tuple(ref(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        reads = frozenset(r.sid for r in tree_flatten((rec_args, rec_kwargs))[0] if isinstance(r, TensorRef))
+        written = tree_flatten(_mutated_args(func, args, kwargs))[0]
+        mutated = {record.ref(t).sid for t in written if isinstance(t, torch.Tensor)}
+        new = {o.sid for o in outputs if o.sid >= known}
+        record.ops.append(
+            RecordedOp(func, rec_args, rec_kwargs, outputs, reads, frozenset(mutated | new), _is_random(func))
+        )
+
+
+def _meta_failure_message(func: Any, err: BaseException) -> str:
+    if func is torch.ops.aten._local_scalar_dense.default:
+        return (
+            "The model's construction reads a tensor's value (`.item()`, `.tolist()`, `if tensor:` ...) while"
+            " building under delayed parameter initialisation, where tensors have no data yet. Compute that value"
+            " from Python numbers, or move the read out of `__init__`, or build this model eagerly."
+        )
+    return (
+        f"{func} failed on the meta device while building under delayed parameter initialisation ({err}). The"
+        " construction depends on tensor data (a data-dependent op); move it out of `__init__`, or build eagerly."
+    )
+
+
+def is_recording() -> bool:
+    """Whether this thread is inside :func:`delay_param_initialization`."""
+    return getattr(_ACTIVE, "record", None) is not None
+
+
+@contextmanager
+def delay_param_initialization() -> Iterator[InitRecord | None]:
+    """Build models without allocating their parameters; they are initialised after partitioning.
+
+    Inside the block every tensor is created on the meta device and every op is recorded. The ``smp`` strategy
+    later replays the record on each rank for the parameters and buffers of its own stage only, so every rank
+    allocates only what it owns and the values are bitwise equal to an eager one-process build with the same
+    seed (see [Note: delayed init replays the eager init record]). On exit the random state advances as the
+    eager build would have advanced it. Nested blocks record into the outermost one. Outside ``smp``, call
+    :func:`lightning_mp.init.materialize_module` to materialise a model in one process.
+
+    Example::
+
+        torch.manual_seed(0)
+        with lightning_mp.delay_param_initialization():
+            model = GPT(n_layer=48)   # no parameter memory
+
+    Yields:
+        The :class:`InitRecord` (``None`` for a nested block).
+
+    Raises:
+        RuntimeError: if the construction reads tensor data (``.item()``) or passes an explicit generator.
+    """
+    if is_recording():
+        yield None
+        return
+    record = InitRecord(cpu_rng_state=torch.get_rng_state())
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        record.cuda_rng_states = torch.cuda.get_rng_state_all()
+    handles = _tag_modules_with(record)
+    _ACTIVE.record = record
+    recorder = _Recorder(record)
+    try:
+        with recorder:
+            yield record
+        recorder.note_reseed()  # a re-seed after the last random op still sets the state code after the block sees
+    finally:
+        _ACTIVE.record = None
+        for handle in handles:
+            handle.remove()
+    record._remember_module_tensors()
+    from lightning_mp.init._replay import advance_rng  # noqa: PLC0415 (import cycle)
+
+    advance_rng(record)
+
+
+def _tag_modules_with(record: InitRecord) -> list[Any]:
+    """Global registration hooks: every module that gets a parameter, buffer or child here points to ``record``."""
+
+    def tag(module: nn.Module, name: str, value: Any) -> None:
+        module.__dict__[_RECORD_ATTR] = record
+        record._modules.add(module)
+        if isinstance(value, nn.Module):
+            value.__dict__.setdefault(_RECORD_ATTR, record)
+            record._modules.add(value)
+
+    modules = torch.nn.modules.module
+    return [
+        modules.register_module_parameter_registration_hook(tag),
+        modules.register_module_buffer_registration_hook(tag),
+        modules.register_module_module_registration_hook(tag),
+    ]
+
+
+def find_record(model: nn.Module) -> InitRecord | None:
+    """The init record ``model`` was built under, or ``None`` if it was built eagerly.
+
+    Raises:
+        ValueError: if parts of ``model`` were built in two separate delayed-init blocks.
+    """
+    records = {id(r): r for m in model.modules() if (r := m.__dict__.get(_RECORD_ATTR)) is not None}
+    if len(records) > 1:
+        raise ValueError(
+            f"The model was built in {len(records)} separate `delay_param_initialization()` blocks; their random"
+            " streams cannot be replayed independently. Build the whole model inside one block."
+        )
+    return next(iter(records.values()), None)
+
+
+def forget_record(model: nn.Module) -> None:
+    """Drop the record from every module (after materialisation), freeing the tape and its constants."""
+    for module in model.modules():
+        module.__dict__.pop(_RECORD_ATTR, None)
