@@ -10,21 +10,60 @@ work after ``import lightning_mp``.
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_mp import callbacks, partition
+from lightning_mp import callbacks, nn, partition, tp
 from lightning_mp.callbacks import PartitionSummary, PipelineTimeline
 from lightning_mp.config import SMPConfig
 from lightning_mp.strategy import SMPStrategy
 from lightning_mp.topology import MeshAxis, Topology
+from lightning_mp.tp import (
+    CommGroup,
+    ParallelGroups,
+    allgather,
+    allreduce,
+    barrier,
+    broadcast,
+    dp_rank,
+    dp_size,
+    parameter_creation_scope,
+    pp_rank,
+    pp_size,
+    rdp_rank,
+    rdp_size,
+    tp_rank,
+    tp_size,
+)
+from lightning_mp.tp._registry import set_tensor_parallelism, tensor_parallelism, tp_register, tp_register_with_module
 
 __all__ = [
+    "CommGroup",
     "MeshAxis",
+    "ParallelGroups",
     "PartitionSummary",
     "PipelineTimeline",
     "SMPConfig",
     "SMPStrategy",
     "Topology",
+    "allgather",
+    "allreduce",
+    "barrier",
+    "broadcast",
     "callbacks",
+    "dp_rank",
+    "dp_size",
+    "nn",
+    "parameter_creation_scope",
     "partition",
+    "pp_rank",
+    "pp_size",
+    "rdp_rank",
+    "rdp_size",
+    "set_tensor_parallelism",
+    "tensor_parallelism",
+    "tp",
+    "tp_rank",
+    "tp_register",
+    "tp_register_with_module",
+    "tp_size",
 ]
 __version__ = "0.1.0"
 

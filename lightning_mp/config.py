@@ -31,7 +31,8 @@ class SMPConfig:
     """Number of pipeline stages (SMP ``partitions``). Each stage lives on its own rank."""
 
     tensor_parallel_degree: int = 1
-    """Size of a tensor-parallel group. Only ``1`` is supported so far."""
+    """Size of a tensor-parallel group: marked modules are split over this many neighbouring ranks, which read the
+    same batch (see ``lightning_mp.set_tensor_parallelism``). ``dp = world_size / (pp * tp)``."""
 
     microbatches: int = 1
     """Microbatches per batch. Every tensor in a batch is split along dim 0 into this many equal parts."""
@@ -95,11 +96,6 @@ class SMPConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
-        if self.tensor_parallel_degree != 1:
-            raise ValueError(
-                f"`tensor_parallel_degree={self.tensor_parallel_degree}` is not supported yet; tensor parallelism"
-                " is still being built. Use `tensor_parallel_degree=1` (pipeline and data parallelism work)."
-            )
         self._check_non_split_inputs()
         if self.pipeline not in ("interleaved", "simple"):
             raise ValueError(f"`pipeline` must be 'interleaved' or 'simple', got {self.pipeline!r}.")

@@ -3,6 +3,7 @@
 from lightning_mp.nn._base import TPModule
 from lightning_mp.nn._embedding import DistributedEmbedding, vocab_parallel_cross_entropy, vocab_range
 from lightning_mp.nn._linear import DistributedLinear
+from lightning_mp.nn._registrations import register_builtins
 from lightning_mp.nn._transformer import (
     DistributedAttention,
     DistributedMLP,
@@ -23,3 +24,5 @@ __all__ = [
     "vocab_parallel_cross_entropy",
     "vocab_range",
 ]
+
+register_builtins()

@@ -23,12 +23,18 @@ __all__ = ["TPModule"]
 class TPModule(nn.Module):
     """Base of the ``lightning_mp.nn`` modules: holds the :class:`TPGroup` and the state-dict translation.
 
+    A counterpart of a torch layer also derives from it (``DistributedLinear`` is an ``nn.Linear``), so code
+    that dispatches on ``isinstance`` (weight-decay groups, init functions) treats it as the original; the
+    swap never swaps a ``TPModule`` again.
+
     Args:
         tp: the tensor-parallel group (handle, rank, degree).
     """
 
+    _lmp_distributed = True  # the swap leaves these alone
+
     def __init__(self, tp: TPGroup) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not the original class's __init__ (it would allocate full weights)
         self.tp = tp
         self._register_state_dict_hook(_gather_full)
         self.register_load_state_dict_pre_hook(_keep_shard)

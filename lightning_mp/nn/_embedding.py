@@ -25,7 +25,7 @@ def vocab_range(vocab_size: int, rank: int, tp_size: int) -> tuple[int, int]:
     return rank * per, (rank + 1) * per
 
 
-class DistributedEmbedding(TPModule):
+class DistributedEmbedding(TPModule, nn.Embedding):
     """Vocab-parallel ``nn.Embedding``: ``E`` (``V x D``) split along the vocabulary; keys and full shapes as
     ``nn.Embedding``.
 
@@ -52,6 +52,7 @@ class DistributedEmbedding(TPModule):
     ) -> None:
         super().__init__(tp)
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
+        self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse = None, 2.0, False, False
         self.vocab_start, self.vocab_end = vocab_range(num_embeddings, tp.rank, tp.size)
         spec = ShardSpec(0, num_embeddings, padded=True)
         with parameter_creation_scope(spec):

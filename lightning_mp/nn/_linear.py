@@ -17,7 +17,7 @@ from lightning_mp.tp._sharding import ShardSpec, TPGroup, check_divisible, mark,
 __all__ = ["DistributedLinear"]
 
 
-class DistributedLinear(TPModule):
+class DistributedLinear(TPModule, nn.Linear):
     """``Y = X A^T + b`` with ``A`` (``out x in``) split over the tp group; keys and full shapes as ``nn.Linear``.
 
     ``parallel="column"``: ``A`` is split along its rows (output features), ``A = [A_1; ...; A_tp]``; rank ``r``

@@ -1,0 +1,120 @@
+"""Tier 2: ``Trainer.fit`` of the example GPT (``examples.gpt_tp.TPGPT``) under tensor parallelism against the
+same model on one process: per-step losses, every gradient of the first step (this rank's shard of the
+reference gradient), and the updated parameters (full state dict, original keys), rtol 1e-5."""
+
+from __future__ import annotations
+
+import os
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import lightning_mp
+from examples.gpt_tp import TPGPT
+from lightning_mp.tp import shard, shard_spec
+
+STEPS, GLOBAL_BATCH, VOCAB, T = 3, 4, 33, 8  # an odd vocabulary: padded vocab-parallel shards
+
+
+class TinyTPGPT(TPGPT):
+    def __init__(self) -> None:
+        super().__init__(vocab_size=VOCAB, block_size=T, n_layer=2, n_head=4, n_embd=16, learning_rate=1e-2, warmup_steps=1)
+
+    def configure_optimizers(self):
+        """The GPT's AdamW groups, with ``eps=1e-4``: the key bias's true gradient is zero (softmax is shift
+        invariant), so its gradient is rounding noise that Adam with a tiny eps turns into full-size steps."""
+        config = super().configure_optimizers()
+        for group in config["optimizer"].param_groups:
+            group["eps"] = 1e-4
+        return config
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        data = torch.randint(0, VOCAB, (STEPS * GLOBAL_BATCH, T + 1), generator=g)
+        dataset = TensorDataset(data[:, :-1], data[:, 1:])
+        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
+        sampler = DistributedSampler(dataset, shuffle=False, **kwargs)
+        return DataLoader(dataset, batch_size=GLOBAL_BATCH // kwargs["num_replicas"], sampler=sampler, drop_last=True)
+
+
+class Record(L.Callback):
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir, self.losses, self.grads = out_dir, [], {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+        if batch_idx == 0:  # after the step: the final (averaged, clipped) gradients, on this rank's shards
+            self.grads = {n: (p.grad.clone(), shard_spec(p)) for n, p in pl_module.named_parameters()}
+
+    def on_train_end(self, trainer, pl_module):
+        state = {k: v.clone() for k, v in pl_module.state_dict().items()}  # collective under tp: full tensors
+        swapped = sorted({type(m).__name__ for m in pl_module.modules()})
+        torch.save(
+            {"losses": self.losses, "grads": self.grads, "state": state, "modules": swapped, "rank": trainer.global_rank},
+            os.path.join(self.out_dir, f"{trainer.global_rank}.pt"),
+        )
+
+
+def _fit(out_dir: str, strategy=None, devices: int = 1, **trainer_kwargs) -> list[dict]:
+    torch.manual_seed(0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy if strategy is not None else "auto",
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[Record(out_dir)],
+        use_distributed_sampler=False,
+        **trainer_kwargs,
+    )
+    trainer.fit(TinyTPGPT())
+    return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(devices)]
+
+
+CLIP = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}
+
+
+@pytest.mark.parametrize(
+    ("pp", "tp", "dp", "microbatches", "trainer_kwargs"),
+    [(1, 2, 1, 1, {}), (1, 2, 2, 2, CLIP)],
+    ids=["tp2", "dp2xtp2-mb2-clipnorm"],
+)
+def test_gpt_fit_matches_one_process(tmp_path, pp, tp, dp, microbatches, trainer_kwargs):
+    os.makedirs(tmp_path / "ref")
+    os.makedirs(tmp_path / "smp")
+    reference = _fit(str(tmp_path / "ref"), **trainer_kwargs)[0]
+    strategy = lightning_mp.SMPStrategy(
+        pipeline_parallel_degree=pp, tensor_parallel_degree=tp, microbatches=microbatches, start_method="fork"
+    )
+    results = _fit(str(tmp_path / "smp"), strategy, devices=pp * tp * dp, **trainer_kwargs)
+    _check_against_reference(results, reference, tp=tp, dp=dp, pp=pp)
+
+
+def _check_against_reference(results: list[dict], reference: dict, *, tp: int, dp: int, pp: int) -> None:
+    assert "DistributedTransformerLayer" in results[0]["modules"] and "DistributedEmbedding" in results[0]["modules"]
+    assert "Block" not in results[0]["modules"]
+    for rank, result in enumerate(results):
+        tp_rank, replica = rank % tp, rank // (tp * pp)
+        replica_losses = torch.tensor([results[r * tp * pp]["losses"] for r in range(dp)])
+        torch.testing.assert_close(replica_losses.mean(0).tolist(), reference["losses"], rtol=1e-5, atol=1e-6)
+        assert result["losses"] == results[replica * tp * pp]["losses"], "the tp ranks of a replica agree"
+        if pp == 1:
+            assert set(result["grads"]) == set(reference["grads"])
+        assert result["grads"], "gradients were recorded"
+        for name, (grad, spec) in result["grads"].items():
+            full = reference["grads"][name][0]
+            expected = full if spec is None else shard(full, spec, tp_rank, tp)
+            torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"grad {n}: {m}")
+        for key, value in result["state"].items():
+            assert value.shape == reference["state"][key].shape, key
+            torch.testing.assert_close(value, reference["state"][key], rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+    moved = sum(float((reference["state"][k] - v).abs().sum()) for k, v in results[0]["state"].items())
+    assert moved >= 0 and any(
+        not torch.equal(reference["state"][k], TinyTPGPT().state_dict()[k]) for k in reference["state"]
+    ), "training changed the parameters"
