@@ -44,6 +44,8 @@ class DistributedLinear(TPModule, nn.Linear):
         input_is_parallel: row only: the input is already split along its last dim.
         parts: column only: number of fused blocks along the output dim.
         vocab_padded: column only: pad ``out_features`` instead of requiring divisibility.
+        transposed: store the weight as ``(in, out)`` like transformers' ``Conv1D`` (GPT-2), so state dicts keep
+            its layout; the maths is the same.
 
     Raises:
         TPDivisibilityError: if the split size does not divide by the tp degree (and is not padded).
@@ -62,6 +64,7 @@ class DistributedLinear(TPModule, nn.Linear):
         input_is_parallel: bool = True,
         parts: int = 1,
         vocab_padded: bool = False,
+        transposed: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | None = None,
     ) -> None:
@@ -74,19 +77,21 @@ class DistributedLinear(TPModule, nn.Linear):
             raise ValueError(f"gather_output=True with parts={parts} would interleave the fused blocks; gather them yourself.")
         self.in_features, self.out_features = in_features, out_features
         self.parallel, self.gather_output, self.input_is_parallel = parallel, gather_output, input_is_parallel
+        self.transposed = transposed
+        w_dim = {"column": 1, "row": 0}[parallel] if transposed else {"column": 0, "row": 1}[parallel]
         factory = {"dtype": dtype, "device": device}
         if parallel == "column":
             spec = ShardSpec(0, out_features, parts=parts, padded=vocab_padded)
             if not vocab_padded:
                 check_divisible("out_features / parts", out_features // parts, tp.size)
             local_out = spec.local_size(tp.size)
-            with parameter_creation_scope(spec):
-                self.weight = nn.Parameter(torch.empty(local_out, in_features, **factory))
+            with parameter_creation_scope(ShardSpec(w_dim, out_features, parts=parts, padded=vocab_padded)):
+                self.weight = nn.Parameter(torch.empty(*_shape(local_out, in_features, transposed), **factory))
             bias_param = mark(nn.Parameter(torch.empty(local_out, **factory)), spec) if bias else None
         else:
             local_in = check_divisible("in_features", in_features, tp.size)
-            with parameter_creation_scope(ShardSpec(1, in_features)):
-                self.weight = nn.Parameter(torch.empty(out_features, local_in, **factory))
+            with parameter_creation_scope(ShardSpec(w_dim, in_features)):
+                self.weight = nn.Parameter(torch.empty(*_shape(out_features, local_in, transposed), **factory))
             bias_param = nn.Parameter(torch.empty(out_features, **factory)) if bias else None  # replicated
         self.register_parameter("bias", bias_param)
         self.reset_parameters()
@@ -105,8 +110,9 @@ class DistributedLinear(TPModule, nn.Linear):
             ``(..., out / tp)`` (column) or ``(..., out)`` (row, or column with ``gather_output``).
         """
         group = self.require_group()
+        weight = self.weight.t() if self.transposed else self.weight  # (out or out / tp, in or in / tp)
         if self.parallel == "column":
-            y = F.linear(copy_to_tp(x, group), self.weight, self.bias)  # (..., out / tp)
+            y = F.linear(copy_to_tp(x, group), weight, self.bias)  # (..., out / tp)
             if self.gather_output:
                 y = gather_from_tp(y, group, dim=-1)  # (..., padded out)
                 if y.size(-1) != self.out_features:
@@ -114,7 +120,7 @@ class DistributedLinear(TPModule, nn.Linear):
             return y
         if not self.input_is_parallel:
             x = scatter_to_tp(x, group, dim=-1)  # (..., in / tp)
-        y = reduce_from_tp(F.linear(x, self.weight), group)  # (..., out)
+        y = reduce_from_tp(F.linear(x, weight), group)  # (..., out)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -122,3 +128,7 @@ class DistributedLinear(TPModule, nn.Linear):
             f"in_features={self.in_features}, out_features={self.out_features}, parallel={self.parallel},"
             f" tp={self.tp.rank}/{self.tp.size}, local_weight={tuple(self.weight.shape)}"
         )
+
+
+def _shape(out_features: int, in_features: int, transposed: bool) -> tuple[int, int]:
+    return (in_features, out_features) if transposed else (out_features, in_features)

@@ -143,8 +143,9 @@ class _Walk:
 
     def candidate(self, module: nn.Module, fqn: str, mark: TPMark) -> nn.Module | str | None:
         """The built counterpart, the reason there is none, or ``None`` (nothing applies to this module)."""
-        registration = registration_for(module)
-        if registration is None and not _inside(fqn, dict.fromkeys(self.translated)):
+        translated = _inside(fqn, dict.fromkeys(self.translated))
+        registration = None if translated else registration_for(module)
+        if registration is None and not translated:
             for translate in self.translations:
                 plan = translate(module)
                 if plan:
@@ -154,7 +155,7 @@ class _Walk:
         try:
             if registration is not None:
                 return build_registered(module, registration, self.tp, mark.kwargs)
-            entry = self.planned.get(fqn)
+            entry = self.planned.get(fqn)  # inside a translated model only its plan applies
             return entry if entry is None or isinstance(entry, str) else entry(module, self.tp)
         except ValueError as err:
             return str(err)
