@@ -31,6 +31,9 @@ class TinyTPGPT(TPGPT):
             group["eps"] = 1e-4
         return config
 
+    def val_dataloader(self) -> DataLoader:
+        return self.train_dataloader()
+
     def train_dataloader(self) -> DataLoader:
         g = torch.Generator().manual_seed(0)
         data = torch.randint(0, VOCAB, (STEPS * GLOBAL_BATCH, T + 1), generator=g)
@@ -53,7 +56,8 @@ class Record(L.Callback):
         state = {k: v.clone() for k, v in pl_module.state_dict().items()}  # collective under tp: full tensors
         swapped = sorted({type(m).__name__ for m in pl_module.modules()})
         torch.save(
-            {"losses": self.losses, "grads": self.grads, "state": state, "modules": swapped, "n_head": pl_module.hparams.n_head},
+            {"losses": self.losses, "grads": self.grads, "state": state, "modules": swapped, "n_head": pl_module.hparams.n_head,
+             "val_loss": float(trainer.callback_metrics["val_loss"])},
             os.path.join(self.out_dir, f"{trainer.global_rank}.pt"),
         )
 
@@ -83,8 +87,8 @@ CLIP = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}
 
 @pytest.mark.parametrize(
     ("pp", "tp", "dp", "microbatches", "trainer_kwargs"),
-    [(1, 2, 1, 1, {}), (1, 2, 2, 2, CLIP)],
-    ids=["tp2", "dp2xtp2-mb2-clipnorm"],
+    [(1, 2, 1, 1, {}), (1, 2, 2, 2, CLIP), (2, 2, 1, 2, CLIP)],
+    ids=["tp2", "dp2xtp2-mb2-clipnorm", "pp2xtp2-mb2-clipnorm"],
 )
 def test_gpt_fit_matches_one_process(tmp_path, pp, tp, dp, microbatches, trainer_kwargs):
     os.makedirs(tmp_path / "ref")
@@ -118,7 +122,13 @@ def _check_against_reference(results: list[dict], reference: dict, *, tp: int, d
         assert result["losses"] == results[replica * tp * pp]["losses"], "the tp ranks of a replica agree"
         if pp == 1:
             assert set(result["grads"]) == set(reference["grads"])
+        else:  # the stages of one replica hold every parameter between them, each its own
+            assert set(results[0]["state"]).isdisjoint(results[tp]["state"])
+            replica_ranks = range(replica * tp * pp + tp_rank, (replica + 1) * tp * pp, tp)
+            assert set().union(*(results[r]["state"] for r in replica_ranks)) == set(reference["state"])
         assert result["grads"], "gradients were recorded"
+        if dp == 1:  # validation ran through the same layout (after the last step)
+            torch.testing.assert_close(result["val_loss"], reference["val_loss"], rtol=1e-5, atol=1e-6)
         for name, (grad, spec) in result["grads"].items():
             full = reference["grads"][name][0]
             expected = full if spec is None else shard(full, spec, tp_rank, tp)
