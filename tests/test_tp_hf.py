@@ -1,5 +1,5 @@
 """Hugging Face models under tp=2 on 2 gloo ranks, unmodified: a tied-embedding Llama through its own
-``tp_plan`` and GPT-2 through the built-in Conv1D translation, against the same model on one process
+``tp_plan``, GPT-2 (Conv1D), BERT and RoBERTa (MLM) through built-in translations, against the same model on one process
 (loss, logits, every gradient, and the state dict under the original keys and full shapes)."""
 
 from __future__ import annotations
@@ -38,7 +38,30 @@ def tiny_gpt2():
     return transformers.GPT2LMHeadModel(config)
 
 
-BUILDERS = {"llama": tiny_llama, "gpt2": tiny_gpt2}
+def tiny_encoder(kind: str):
+    config_cls, model_cls = {
+        "bert": (transformers.BertConfig, transformers.BertForMaskedLM),
+        "roberta": (transformers.RobertaConfig, transformers.RobertaForMaskedLM),
+    }[kind]
+    config = config_cls(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32,
+        max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=1,
+    )
+    return model_cls(config)
+
+
+BUILDERS = {
+    "llama": tiny_llama,
+    "gpt2": tiny_gpt2,
+    "bert": lambda: tiny_encoder("bert"),
+    "roberta": lambda: tiny_encoder("roberta"),
+}
+EXPECTED = {
+    "llama": ("model.layers.1.mlp.down_proj", "lm_head"),
+    "gpt2": ("transformer.h.1.attn", "lm_head"),
+    "bert": ("bert.encoder.layer.1.attention.self.query", "cls.predictions.decoder"),
+    "roberta": ("roberta.encoder.layer.1.output.dense", "lm_head.decoder"),
+}
 
 
 def _worker(rank: int, world: int, name: str) -> dict:
@@ -49,7 +72,7 @@ def _worker(rank: int, world: int, name: str) -> dict:
     ref = copy.deepcopy(model)
     lightning_mp.set_tensor_parallelism(model)
     report = swap_modules(model, tp, translations=[translate_hf])
-    ids = torch.randint(0, VOCAB, (2, 6))
+    ids = torch.randint(2, VOCAB, (2, 6))
     ref_out, out = ref(input_ids=ids, labels=ids), model(input_ids=ids, labels=ids)
     ref_out.loss.backward()
     out.loss.backward()
@@ -68,25 +91,30 @@ def _worker(rank: int, world: int, name: str) -> dict:
         "grads": grads,
         "state": {k: (v, ref_state[k]) for k, v in state.items()},
         "state_keys": (sorted(state), sorted(ref_state)),
-        "tied": model.lm_head.weight is model.get_input_embeddings().weight,
+        "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight,
         "first_linear": _first_projection(model),
     }
 
 
 def _first_projection(model) -> tuple[str, bool, tuple]:
     """The plan's split, not a gathered column: (parallel, gather_output, local weight shape)."""
-    layer = model.model.layers[0].self_attn.q_proj if hasattr(model, "model") else model.transformer.h[0].attn.c_attn
+    if hasattr(model, "model"):
+        layer = model.model.layers[0].self_attn.q_proj
+    elif hasattr(model, "transformer"):
+        layer = model.transformer.h[0].attn.c_attn
+    else:
+        layer = model.base_model.encoder.layer[0].attention.self.query
     return layer.parallel, layer.gather_output, tuple(layer.weight.shape)
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert", "roberta"])
 def test_hf_model_matches_one_process(name):
     for result in run_distributed(_worker, 2, name, start_method="fork"):
         assert not result["skipped"], result["skipped"]
-        expected = {"llama": "model.layers.1.mlp.down_proj", "gpt2": "transformer.h.1.attn"}[name]
-        assert expected in result["swapped"] and "lm_head" in result["swapped"]
+        assert set(EXPECTED[name]) <= set(result["swapped"])
         assert result["tied"]
-        assert result["first_linear"] == {"llama": ("column", False, (8, 16)), "gpt2": ("column", False, (16, 24))}[name]
+        expected_first = {"llama": (8, 16), "gpt2": (16, 24), "bert": (8, 16), "roberta": (8, 16)}[name]
+        assert result["first_linear"] == ("column", False, expected_first)
         torch.testing.assert_close(*result["loss"], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(*result["logits"], rtol=1e-5, atol=1e-5)
         for n, (actual, exp) in result["grads"].items():

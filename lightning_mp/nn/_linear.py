@@ -23,7 +23,8 @@ class DistributedLinear(TPModule, nn.Linear):
     ``parallel="column"``: ``A`` is split along its rows (output features), ``A = [A_1; ...; A_tp]``; rank ``r``
     computes ``Y_r = X A_r^T + b_r``. Input replicated ``(..., in)``; the input passes :func:`copy_to_tp`
     (forward identity, backward all-reduce). Output ``(..., out / tp)`` sharded on the last dim, or, with
-    ``gather_output=True``, all-gathered to ``(..., out)`` replicated (backward: split).
+    ``gather_output=True``, all-gathered to ``(..., out)`` replicated (backward: split), the bias then
+    replicated and added after the gather.
     ``vocab_padded=True`` pads ``out`` to a multiple of tp (uneven vocabularies; the padding rows are zero and
     cut from a gathered output). ``parts=k`` treats ``A`` as ``k`` fused blocks (e.g. ``[A_q; A_k; A_v]``),
     each split separately, so rank ``r`` holds ``[A_q^r; A_k^r; A_v^r]``.
@@ -87,7 +88,10 @@ class DistributedLinear(TPModule, nn.Linear):
             local_out = spec.local_size(tp.size)
             with parameter_creation_scope(ShardSpec(w_dim, out_features, parts=parts, padded=vocab_padded)):
                 self.weight = nn.Parameter(torch.empty(*_shape(local_out, in_features, transposed), **factory))
-            bias_param = mark(nn.Parameter(torch.empty(local_out, **factory)), spec) if bias else None
+            if gather_output:  # replicated, added to the gathered output (so a tie with another bias can stay)
+                bias_param = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+            else:
+                bias_param = mark(nn.Parameter(torch.empty(local_out, **factory)), spec) if bias else None
         else:
             local_in = check_divisible("in_features", in_features, tp.size)
             with parameter_creation_scope(ShardSpec(w_dim, in_features)):
@@ -112,12 +116,12 @@ class DistributedLinear(TPModule, nn.Linear):
         group = self.require_group()
         weight = self.weight.t() if self.transposed else self.weight  # (out or out / tp, in or in / tp)
         if self.parallel == "column":
-            y = F.linear(copy_to_tp(x, group), weight, self.bias)  # (..., out / tp)
-            if self.gather_output:
-                y = gather_from_tp(y, group, dim=-1)  # (..., padded out)
-                if y.size(-1) != self.out_features:
-                    y = y.narrow(-1, 0, self.out_features)
-            return y
+            if not self.gather_output:
+                return F.linear(copy_to_tp(x, group), weight, self.bias)  # (..., out / tp)
+            y = gather_from_tp(F.linear(copy_to_tp(x, group), weight), group, dim=-1)  # (..., padded out)
+            if y.size(-1) != self.out_features:
+                y = y.narrow(-1, 0, self.out_features)
+            return y if self.bias is None else y + self.bias
         if not self.input_is_parallel:
             x = scatter_to_tp(x, group, dim=-1)  # (..., in / tp)
         y = reduce_from_tp(F.linear(x, weight), group)  # (..., out)

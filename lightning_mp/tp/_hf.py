@@ -8,6 +8,9 @@ returns ``{module FQN: builder, or the reason there is none}``.
   A style we do not support leaves that module unswapped, with the reason; the rest of the plan still applies.
   Style names are the installed transformers' (``colwise_rep`` was renamed ``colwise_gather_output``; both
   are read). Attention projections are checked against ``num_attention_heads`` / ``num_key_value_heads``.
+* ``BertForMaskedLM`` / ``RobertaForMaskedLM`` (and their base models; no plan): a built-in plan with the same
+  styles (q/k/v and the intermediate dense colwise, the attention and output dense rowwise, vocab-parallel
+  word embeddings tied to a gathered MLM decoder).
 * ``GPT2LMHeadModel`` / ``GPT2Model`` (no plan): ``Conv1D`` weights are ``(in, out)``, so they become
   ``DistributedLinear(transposed=True)`` and state dicts keep that layout; the fused ``c_attn`` is split
   per q/k/v block and the attention's ``split_size`` set to the local width.
@@ -87,16 +90,41 @@ def translate_hf(module: nn.Module) -> dict[str, Builder | str] | None:
     """The swaps for a marked Hugging Face model, or ``None`` if ``module`` is not one we translate."""
     if not _is_hf(module):
         return None
-    if type(module).__name__ in ("GPT2LMHeadModel", "GPT2Model"):
+    name = type(module).__name__
+    if name in ("GPT2LMHeadModel", "GPT2Model"):
         return _gpt2(module)
+    if name in _ENCODER_PLANS:
+        return _from_plan(module, _encoder_plan(*_ENCODER_PLANS[name]), check_installed=False)
     plan = dict(getattr(module, "tp_plan", None) or {})
     if not plan:
         return None
     return _from_plan(module, plan)
 
 
-def _from_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, Builder | str]:
-    installed = _installed_styles()
+# class name -> (prefix of the encoder, the tied MLM decoder or None)
+_ENCODER_PLANS = {
+    "BertForMaskedLM": ("bert.", "cls.predictions.decoder"),
+    "BertModel": ("", None),
+    "RobertaForMaskedLM": ("roberta.", "lm_head.decoder"),
+    "RobertaModel": ("", None),
+}
+
+
+def _encoder_plan(prefix: str, decoder: str | None) -> dict[str, str]:
+    """BERT / RoBERTa (no shipped plan): Megatron's split of every encoder layer, vocab-parallel embedding tied
+    to a gathered MLM decoder (its bias, tied to ``predictions.bias``, stays replicated)."""
+    layer = f"{prefix}encoder.layer.*."
+    plan = {f"{prefix}embeddings.word_embeddings": "embedding_rowwise"}
+    plan |= {f"{layer}attention.self.{name}": "colwise" for name in ("query", "key", "value")}
+    plan |= {f"{layer}attention.output.dense": "rowwise", f"{layer}intermediate.dense": "colwise"}
+    plan |= {f"{layer}output.dense": "rowwise"}
+    if decoder is not None:
+        plan[decoder] = "colwise_gather_output"
+    return plan
+
+
+def _from_plan(model: nn.Module, plan: dict[str, str], check_installed: bool = True) -> dict[str, Builder | str]:
+    installed = _installed_styles() if check_installed else None
     config = getattr(model, "config", None)
     patterns = [(re.compile("^" + re.escape(key).replace(r"\*", r"\d+") + "$"), style) for key, style in plan.items()]
     out: dict[str, Builder | str] = {}
@@ -108,7 +136,7 @@ def _from_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, Builder | st
             out[fqn] = f"tp_plan style {style!r} is unknown to the installed transformers"
         elif style not in _STYLES:
             out[fqn] = f"tp_plan style {style!r} is not supported (supported: {', '.join(SUPPORTED_STYLES)})"
-        elif "attn" in fqn.rpartition(".")[0].rpartition(".")[2] and config is not None:  # an attention projection
+        elif re.search(r"attn|attention", fqn.rpartition(".")[0]) and config is not None:  # an attention projection
             out[fqn] = _with_head_check(_STYLES[style], config)
         else:
             out[fqn] = _STYLES[style]

@@ -166,16 +166,18 @@ def _keep_ties(root: nn.Module, built: dict[str, nn.Module], report: SwapReport)
     for mod_fqn, module in root.named_modules(remove_duplicate=False):
         for name, param in module.named_parameters(recurse=False):
             positions.setdefault(id(param), []).append(f"{mod_fqn}.{name}" if mod_fqn else name)
+    originals = {name: p for p in root.parameters() for name in positions.get(id(p), [])}
+    _reuse_replicated(built, positions, originals)
     changed = True
     while changed:
         changed = False
         for names in (n for n in positions.values() if len(n) > 1):
             owners = [_owner(name, built) for name in names]
-            if all(o is None for o in owners):
+            current = [originals[n] if o is None else _new_param(built[o], n, o) for o, n in zip(owners, names)]
+            if all(p is current[0] for p in current):  # untouched, or kept whole as the original object
                 continue
-            new = [None if o is None else _new_param(built[o], name, o) for o, name in zip(owners, names)]
-            if all(p is not None for p in new) and _same_layout(new):
-                continue
+            if all(o is not None for o in owners) and all(p is not None for p in current) and _same_layout(current):
+                continue  # every user swapped alike: tied again below
             for owner in {o for o in owners if o is not None}:
                 del built[owner]
                 report.skipped[owner] = (
@@ -192,6 +194,18 @@ def _keep_ties(root: nn.Module, built: dict[str, nn.Module], report: SwapReport)
                 parent_name, _, pname = name[len(owner) + 1 if owner else 0 :].rpartition(".")
                 holder = built[owner].get_submodule(parent_name) if parent_name else built[owner]
                 holder._parameters[pname] = first
+
+
+def _reuse_replicated(built: dict[str, nn.Module], positions: dict[int, list[str]], originals: dict) -> None:
+    """A shared parameter that a swapped module keeps whole (replicated) is the original object again."""
+    for names in (n for n in positions.values() if len(n) > 1):
+        for name in names:
+            owner = _owner(name, built)
+            new = None if owner is None else _new_param(built[owner], name, owner)
+            if new is not None and shard_spec(new) is None and new.shape == originals[name].shape:
+                parent_name, _, pname = name[len(owner) + 1 if owner else 0 :].rpartition(".")
+                holder = built[owner].get_submodule(parent_name) if parent_name else built[owner]
+                holder._parameters[pname] = originals[name]
 
 
 def _owner(name: str, built: dict) -> str | None:
