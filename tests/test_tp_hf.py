@@ -1,6 +1,6 @@
 """Hugging Face models under tp=2 on 2 gloo ranks, unmodified: a tied-embedding Llama through its own
-``tp_plan``, GPT-2 (Conv1D), BERT and RoBERTa (MLM) through built-in translations, against the same model on one process
-(loss, logits, every gradient, and the state dict under the original keys and full shapes)."""
+``tp_plan``; GPT-2 (Conv1D), BERT and RoBERTa (MLM) through built-in translations. Against the same model on
+one process: loss, logits, every gradient, and the state dict under the original keys and full shapes."""
 
 from __future__ import annotations
 
