@@ -57,7 +57,7 @@ class Record(L.Callback):
         swapped = sorted({type(m).__name__ for m in pl_module.modules()})
         torch.save(
             {"losses": self.losses, "grads": self.grads, "state": state, "modules": swapped, "n_head": pl_module.hparams.n_head,
-             "val_loss": float(trainer.callback_metrics["val_loss"])},
+             "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan")))},
             os.path.join(self.out_dir, f"{trainer.global_rank}.pt"),
         )
 
@@ -139,3 +139,53 @@ def _check_against_reference(results: list[dict], reference: dict, *, tp: int, d
     torch.manual_seed(0)
     initial = TinyTPGPT(results[0]["n_head"]).state_dict()
     assert all(not torch.equal(reference["state"][k], initial[k]) for k in ("wte.weight", "h.0.mlp.c_fc.weight"))
+
+
+class _NoScheduleGPT(TinyTPGPT):
+    """A resumed run must not depend on ``max_steps`` through the LR schedule."""
+
+    def configure_optimizers(self):
+        return super().configure_optimizers()["optimizer"]
+
+
+def _fit_resume(out_dir: str, ckpt_dir: str, strategy_fn, devices: int, ckpt_path=None, steps: int = STEPS) -> list[dict]:
+    torch.manual_seed(0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy_fn() if strategy_fn else "auto",
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[Record(out_dir), L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True)],
+        use_distributed_sampler=False,
+    )
+    trainer.fit(_NoScheduleGPT(), ckpt_path=ckpt_path)
+    return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(devices)]
+
+
+def test_checkpoint_resume_at_tp2_matches_one_process(tmp_path):
+    """Save after 3 steps at tp=2 (full weights under the original keys; AdamW state of each shard under its
+    own key), resume for 3 more: the same parameters as the same two runs on one process."""
+    finals = {}
+    for name, strategy_fn, devices in (
+        ("ref", None, 1),
+        ("tp2", lambda: lightning_mp.SMPStrategy(tensor_parallel_degree=2, start_method="fork"), 2),
+    ):
+        ckpt = tmp_path / name / "ckpt"
+        for run in ("first", "resumed"):
+            os.makedirs(tmp_path / name / run)
+        _fit_resume(str(tmp_path / name / "first"), str(ckpt), strategy_fn, devices)
+        finals[name] = _fit_resume(
+            str(tmp_path / name / "resumed"), str(ckpt), strategy_fn, devices, ckpt_path=str(ckpt / "last.ckpt"),
+            steps=2 * STEPS,
+        )
+    reference = finals["ref"][0]
+    assert len(reference["losses"]) == STEPS, "the resumed run took the remaining steps"
+    for result in finals["tp2"]:
+        torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-5, atol=1e-6)
+        for key, value in result["state"].items():
+            torch.testing.assert_close(value, reference["state"][key], rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
