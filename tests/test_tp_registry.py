@@ -119,3 +119,15 @@ def test_tp_register_decorator_with_hooks():
 def test_register_rejects_non_modules():
     with pytest.raises(ValueError, match="`dist_cls` must be an nn.Module subclass"):
         lightning_mp.tp_register_with_module(nn.Linear, object)
+
+
+def test_parameter_counts_after_swap_halve_the_sharded_weights():
+    from lightning_mp.strategy._tp import parameter_counts
+
+    model = TPGPT(vocab_size=12, block_size=4, n_layer=1, n_head=2, n_embd=8)
+    full_before = sum(p.numel() for p in model.parameters())
+    swap_modules(model, TP1)
+    local, full = parameter_counts(model)
+    assert full == full_before
+    replicated = sum(p.numel() for p in model.parameters() if shard_spec(p) is None)
+    assert local - replicated == (full - replicated) // 2

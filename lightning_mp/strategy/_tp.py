@@ -18,7 +18,7 @@ from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_mp.tp import ParallelGroups, TPGroup, grad_allreduce, shard_spec
@@ -26,7 +26,7 @@ from lightning_mp.tp._hf import translate_hf
 from lightning_mp.tp._swap import SwapReport, swap_modules
 from lightning_mp.topology import MeshAxis, Topology
 
-__all__ = ["apply_tensor_parallelism", "average_replicated_grads", "build_groups", "global_grad_norm"]
+__all__ = ["apply_tensor_parallelism", "average_replicated_grads", "build_groups", "global_grad_norm", "parameter_counts"]
 
 
 def build_groups(topology: Topology, mesh: dist.DeviceMesh, timeout) -> ParallelGroups:
@@ -64,6 +64,11 @@ def apply_tensor_parallelism(
         message = report.warning()
         if message:
             rank_zero_warn(message)
+        local, full = parameter_counts(model)
+        rank_zero_info(
+            f"lightning_mp tensor parallel: swapped {len(report.swapped)} module(s); global rank 0 holds {local:,} of"
+            f" its stage's {full:,} parameters ({local / max(full, 1):.0%}) after the swaps"
+        )
         if not report.swapped:
             rank_zero_warn(
                 f"tensor_parallel_degree={tp.size} but no module was swapped on global rank 0's stage: mark modules"
@@ -76,6 +81,16 @@ def apply_tensor_parallelism(
             ancestor = ancestor.rpartition(".")[0]
         new_stage_of[fqn] = stage_of.get(ancestor, own_stage)
     return new_stage_of, report
+
+
+def parameter_counts(model: nn.Module) -> tuple[int, int]:
+    """``(local, full)`` numbers of parameter elements this rank holds and the logical model (its stage) has."""
+    local = full = 0
+    for p in model.parameters():
+        spec = shard_spec(p)
+        local += p.numel()
+        full += p.numel() if spec is None else p.numel() // p.size(spec.dim) * spec.full_size
+    return local, full
 
 
 def average_replicated_grads(params: list[nn.Parameter], groups: ParallelGroups) -> None:
