@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_mp.tp import TPGroup, shard, shard_spec
+from lightning_mp.tp import TPGroup, reduce_replicated_grads, shard, shard_spec
 
 
 def world_tp() -> TPGroup:
@@ -50,6 +50,7 @@ def run_pair(
         upstream = upstream.chunk(tp.size, dim=-1)[tp.rank]
         out_ref = out_ref.chunk(tp.size, dim=-1)[tp.rank]
     (out * upstream).sum().backward()
+    reduce_replicated_grads(list(dist_module.parameters()), tp.group)  # as the strategy does after backward
     result = {"out": (out.detach(), out_ref.detach()), "grads": grad_pairs(dist_module, ref, tp)}
     if float_inputs:
         result["input_grad"] = (dist_inputs[0].grad, ref_inputs[0].grad)

@@ -109,6 +109,17 @@ def _layers_worker(rank: int, world_size: int) -> dict:
     results["transformer"] = run_pair(
         DistributedTransformer(2, 8, 4, tp=tp), nn.Sequential(Block(8, 4, 0.0), Block(8, 4, 0.0)), (x,), tp
     )
+    x6 = torch.randn(2, 6, 8)
+    for name, length_input in (("even", x6), ("padded", x)):  # optimize="memory": sequence parallel; T=5 pads
+        results[f"layer_memory_{name}"] = run_pair(
+            DistributedTransformerLayer(8, 4, tp=tp, optimize="memory"), Block(8, 4, 0.0), (length_input,), tp
+        )
+    results["transformer_memory"] = run_pair(
+        DistributedTransformer(2, 8, 4, tp=tp, optimize="memory"),
+        nn.Sequential(Block(8, 4, 0.0), Block(8, 4, 0.0)),
+        (x,),
+        tp,
+    )
     ids = torch.randint(0, 11, (2, 5))
     results["embedding_odd_vocab"] = run_pair(DistributedEmbedding(11, 8, tp=tp), nn.Embedding(11, 8), (ids,), tp)
     return results
@@ -117,6 +128,7 @@ def _layers_worker(rank: int, world_size: int) -> dict:
 def test_layers_match_plain_modules_at_tp2():
     for rank_results in run_distributed(_layers_worker, 2, start_method="fork"):
         assert set(rank_results) >= {"column", "row_split_input", "attention", "mlp", "layer", "transformer"}
+        assert {"layer_memory_even", "layer_memory_padded", "transformer_memory"} <= set(rank_results)
         for name, result in rank_results.items():
             try:
                 assert_pairs(result)

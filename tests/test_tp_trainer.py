@@ -49,6 +49,7 @@ class Record(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
+        self.sequence_parallel = any(getattr(m, "sequence_parallel", False) for m in pl_module.modules())
         if batch_idx == 0:  # after the step: the final (averaged, clipped) gradients, on this rank's shards
             self.grads = {n: (p.grad.clone(), shard_spec(p)) for n, p in pl_module.named_parameters()}
 
@@ -57,6 +58,7 @@ class Record(L.Callback):
         swapped = sorted({type(m).__name__ for m in pl_module.modules()})
         torch.save(
             {"losses": self.losses, "grads": self.grads, "state": state, "modules": swapped, "n_head": pl_module.hparams.n_head,
+             "sequence_parallel": getattr(self, "sequence_parallel", False),
              "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan")))},
             os.path.join(self.out_dir, f"{trainer.global_rank}.pt"),
         )
@@ -86,19 +88,26 @@ CLIP = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}
 
 
 @pytest.mark.parametrize(
-    ("pp", "tp", "dp", "microbatches", "trainer_kwargs"),
-    [(1, 2, 1, 1, {}), (1, 2, 2, 2, CLIP), (2, 2, 1, 2, CLIP)],
-    ids=["tp2", "dp2xtp2-mb2-clipnorm", "pp2xtp2-mb2-clipnorm"],
+    ("pp", "tp", "dp", "microbatches", "trainer_kwargs", "optimize"),
+    [
+        (1, 2, 1, 1, {}, "speed"),
+        (1, 2, 1, 1, CLIP, "memory"),
+        (1, 2, 2, 2, CLIP, "speed"),
+        (2, 2, 1, 2, CLIP, "speed"),
+    ],
+    ids=["tp2", "tp2-memory-sequence-parallel-clipnorm", "dp2xtp2-mb2-clipnorm", "pp2xtp2-mb2-clipnorm"],
 )
-def test_gpt_fit_matches_one_process(tmp_path, pp, tp, dp, microbatches, trainer_kwargs):
+def test_gpt_fit_matches_one_process(tmp_path, pp, tp, dp, microbatches, trainer_kwargs, optimize):
     os.makedirs(tmp_path / "ref")
     os.makedirs(tmp_path / "smp")
     reference = _fit(str(tmp_path / "ref"), **trainer_kwargs)[0]
     strategy = lightning_mp.SMPStrategy(
-        pipeline_parallel_degree=pp, tensor_parallel_degree=tp, microbatches=microbatches, start_method="fork"
+        pipeline_parallel_degree=pp, tensor_parallel_degree=tp, microbatches=microbatches, optimize=optimize,
+        start_method="fork",
     )
     results = _fit(str(tmp_path / "smp"), strategy, devices=pp * tp * dp, **trainer_kwargs)
     assert "DistributedTransformerLayer" in results[0]["modules"] and "Block" not in results[0]["modules"]
+    assert results[0]["sequence_parallel"] == (optimize == "memory")
     _check_against_reference(results, reference, tp=tp, dp=dp, pp=pp)
 
 

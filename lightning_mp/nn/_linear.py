@@ -11,7 +11,14 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from lightning_mp.nn._base import TPModule
-from lightning_mp.tp._collectives import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
+from lightning_mp.tp._collectives import (
+    all_gather_along,
+    copy_to_tp,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_along,
+    scatter_to_tp,
+)
 from lightning_mp.tp._sharding import ShardSpec, TPGroup, check_divisible, mark, parameter_creation_scope
 
 __all__ = ["DistributedLinear"]
@@ -47,6 +54,11 @@ class DistributedLinear(TPModule, nn.Linear):
         vocab_padded: column only: pad ``out_features`` instead of requiring divisibility.
         transposed: store the weight as ``(in, out)`` like transformers' ``Conv1D`` (GPT-2), so state dicts keep
             its layout; the maths is the same.
+        sequence_parallel: ``optimize="memory"``: activations outside the layer are split along the sequence
+            (dim 1). Column: the input ``(B, T / tp, in)`` is all-gathered along dim 1 (backward:
+            reduce-scatter) instead of :func:`copy_to_tp`. Row: the partial sums are reduce-scattered along
+            dim 1 to ``(B, T / tp, out)`` (backward: all-gather) instead of all-reduced; the bias then sees only
+            this rank's tokens, so its gradient is summed over the tp group (``allreduce_grad="sum"``).
 
     Raises:
         TPDivisibilityError: if the split size does not divide by the tp degree (and is not padded).
@@ -66,6 +78,7 @@ class DistributedLinear(TPModule, nn.Linear):
         parts: int = 1,
         vocab_padded: bool = False,
         transposed: bool = False,
+        sequence_parallel: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | None = None,
     ) -> None:
@@ -74,11 +87,15 @@ class DistributedLinear(TPModule, nn.Linear):
             raise ValueError(f"`parallel` must be 'column' or 'row', got {parallel!r}.")
         if parallel == "row" and (parts != 1 or vocab_padded or gather_output):
             raise ValueError("`parts`, `vocab_padded` and `gather_output` apply to parallel='column' only.")
+        if sequence_parallel and (gather_output or not input_is_parallel):
+            raise ValueError(
+                "sequence_parallel=True takes and gives sequence-split activations: no gather_output, no split input."
+            )
         if gather_output and parts != 1:
             raise ValueError(f"gather_output=True with parts={parts} would interleave the fused blocks; gather them yourself.")
         self.in_features, self.out_features = in_features, out_features
         self.parallel, self.gather_output, self.input_is_parallel = parallel, gather_output, input_is_parallel
-        self.transposed = transposed
+        self.transposed, self.sequence_parallel = transposed, sequence_parallel
         w_dim = {"column": 1, "row": 0}[parallel] if transposed else {"column": 0, "row": 1}[parallel]
         factory = {"dtype": dtype, "device": device}
         if parallel == "column":
@@ -97,6 +114,8 @@ class DistributedLinear(TPModule, nn.Linear):
             with parameter_creation_scope(ShardSpec(w_dim, in_features)):
                 self.weight = nn.Parameter(torch.empty(*_shape(out_features, local_in, transposed), **factory))
             bias_param = nn.Parameter(torch.empty(out_features, **factory)) if bias else None  # replicated
+            if bias_param is not None and sequence_parallel:
+                mark(bias_param, allreduce_grad="sum")
         self.register_parameter("bias", bias_param)
         self.reset_parameters()
 
@@ -116,6 +135,8 @@ class DistributedLinear(TPModule, nn.Linear):
         group = self.require_group()
         weight = self.weight.t() if self.transposed else self.weight  # (out or out / tp, in or in / tp)
         if self.parallel == "column":
+            if self.sequence_parallel:
+                return F.linear(all_gather_along(x, group, dim=1), weight, self.bias)  # (B, T, out / tp)
             if not self.gather_output:
                 return F.linear(copy_to_tp(x, group), weight, self.bias)  # (..., out / tp)
             y = gather_from_tp(F.linear(copy_to_tp(x, group), weight), group, dim=-1)  # (..., padded out)
@@ -124,7 +145,10 @@ class DistributedLinear(TPModule, nn.Linear):
             return y if self.bias is None else y + self.bias
         if not self.input_is_parallel:
             x = scatter_to_tp(x, group, dim=-1)  # (..., in / tp)
-        y = reduce_from_tp(F.linear(x, weight), group)  # (..., out)
+        if self.sequence_parallel:
+            y = reduce_scatter_along(F.linear(x, weight), group, dim=1)  # (B, T / tp, out)
+        else:
+            y = reduce_from_tp(F.linear(x, weight), group)  # (..., out)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

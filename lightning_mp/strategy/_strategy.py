@@ -411,7 +411,9 @@ class SMPStrategy(ParallelStrategy):
         assert self._engine is not None
         stage_of = self._plan.stage_of
         if self.config.tensor_parallel_degree > 1:
-            stage_of, _ = _tp.apply_tensor_parallelism(module, self.groups, stage_of, self.pp_rank, self.global_rank)
+            stage_of, _ = _tp.apply_tensor_parallelism(
+                module, self.groups, stage_of, self.pp_rank, self.global_rank, optimize=self.config.optimize
+            )
         self._engine.install(module, stage_of)
 
     @override

@@ -5,8 +5,9 @@ only, Megatron's semantics), run the same module calls in the same order (the en
 on when tp > 1) and so hold equal replicated activations. Hence:
 
 * replicated parameters (LayerNorms, row biases, position tables) get equal gradients on every tp rank
-  without communication; those created with ``allreduce_grad=True`` (inputs that differ between tp ranks)
-  are averaged over the tp group once per optimizer step;
+  without communication; those marked ``allreduce_grad`` (inputs that differ between tp ranks, e.g.
+  LayerNorms under sequence parallelism: "sum"; transformers' ``replicated_with_grad_allreduce``: "mean") are
+  reduced over the tp group once per optimizer step, before the data-parallel average;
 * data-parallel averaging runs over the replicas of one (stage, tp rank) only (the mesh's ``dp`` axis);
 * the gradient norm counts each logical parameter once: the squares of sharded gradients are summed over the
   tp group, those of replicated ones are taken once, then both are summed over the pipeline stages.
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_mp.tp import ParallelGroups, TPGroup, grad_allreduce, shard_spec
+from lightning_mp.tp import ParallelGroups, TPGroup, reduce_replicated_grads, shard_spec
 from lightning_mp.tp._hf import translate_hf
 from lightning_mp.tp._swap import SwapReport, swap_modules
 from lightning_mp.topology import MeshAxis, Topology
@@ -52,14 +53,26 @@ def build_groups(topology: Topology, mesh: dist.DeviceMesh, timeout) -> Parallel
 
 
 def apply_tensor_parallelism(
-    model: nn.Module, groups: ParallelGroups, stage_of: Mapping[str, int], own_stage: int, global_rank: int
+    model: nn.Module,
+    groups: ParallelGroups,
+    stage_of: Mapping[str, int],
+    own_stage: int,
+    global_rank: int,
+    optimize: str = "speed",
 ) -> tuple[dict[str, int], SwapReport]:
     """Swap this stage's marked modules; return the stage map of the new module tree and the report.
 
-    Modules inside a swapped one take its stage. Warns once on global rank 0 naming unswapped marked modules.
+    Modules inside a swapped one take its stage; ``optimize`` goes to the distributed classes that take it
+    (``"memory"``: sequence parallelism). Warns once on global rank 0 naming unswapped marked modules.
     """
     tp = TPGroup.of(groups.tp)
-    report = swap_modules(model, tp, translations=[translate_hf], owns=lambda fqn: stage_of.get(fqn, own_stage) == own_stage)
+    report = swap_modules(
+        model,
+        tp,
+        translations=[translate_hf],
+        owns=lambda fqn: stage_of.get(fqn, own_stage) == own_stage,
+        defaults={"optimize": optimize},
+    )
     if global_rank == 0:
         message = report.warning()
         if message:
@@ -94,18 +107,8 @@ def parameter_counts(model: nn.Module) -> tuple[int, int]:
 
 
 def average_replicated_grads(params: list[nn.Parameter], groups: ParallelGroups) -> None:
-    """Average, over the tp group, the gradients of parameters created with ``allreduce_grad=True``."""
-    flagged = [p for p in params if p.grad is not None and grad_allreduce(p)]
-    if not flagged:
-        return
-    size = dist.get_world_size(groups.tp)
-    flat = torch.cat([p.grad.reshape(-1) for p in flagged])
-    dist.all_reduce(flat, group=groups.tp)
-    flat /= size
-    offset = 0
-    for p in flagged:
-        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
-        offset += p.numel()
+    """Reduce over the tp group the gradients of parameters marked ``allreduce_grad`` ("mean" or "sum")."""
+    reduce_replicated_grads(params, groups.tp)
 
 
 def global_grad_norm(params: list[nn.Parameter], groups: ParallelGroups, device: torch.device) -> torch.Tensor:

@@ -54,7 +54,7 @@ def _embedding(module: nn.Module, tp: TPGroup) -> nn.Module:
 
 def _replicated_with_grad_allreduce(module: nn.Module, tp: TPGroup) -> nn.Module:
     for param in module.parameters():
-        mark(param, allreduce_grad=True)
+        mark(param, allreduce_grad="mean")
     module._lmp_distributed = True
     return module
 

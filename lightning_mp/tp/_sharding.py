@@ -26,6 +26,7 @@ __all__ = [
     "check_divisible",
     "grad_allreduce",
     "parameter_creation_scope",
+    "reduce_replicated_grads",
     "shard",
     "shard_spec",
     "unshard",
@@ -127,23 +128,44 @@ def shard_spec(param: Tensor) -> ShardSpec | None:
     return getattr(param, _SPEC_ATTR, None)
 
 
-def grad_allreduce(param: Tensor) -> bool:
-    """Whether a replicated parameter's gradient is averaged over the tp group after backward."""
-    return bool(getattr(param, _GRAD_ALLREDUCE_ATTR, False))
+def grad_allreduce(param: Tensor) -> str | None:
+    """How a replicated parameter's gradient is reduced over the tp group after backward: ``"mean"``, ``"sum"``
+    (partial gradients, e.g. LayerNorms under sequence parallelism) or ``None`` (equal already)."""
+    return getattr(param, _GRAD_ALLREDUCE_ATTR, None)
 
 
-def mark(param: nn.Parameter, spec: ShardSpec | None = None, *, allreduce_grad: bool = False) -> nn.Parameter:
-    """Record ``spec`` (and the gradient rule) on ``param``; returns it."""
+def mark(param: nn.Parameter, spec: ShardSpec | None = None, *, allreduce_grad: str | None = None) -> nn.Parameter:
+    """Record ``spec`` (and the gradient rule, ``"mean"`` or ``"sum"``) on ``param``; returns it."""
+    if allreduce_grad not in (None, "mean", "sum"):
+        raise ValueError(f"`allreduce_grad` must be None, 'mean' or 'sum', got {allreduce_grad!r}.")
     if spec is not None:
         setattr(param, _SPEC_ATTR, spec)
-    if allreduce_grad:
-        setattr(param, _GRAD_ALLREDUCE_ATTR, True)
+    if allreduce_grad is not None:
+        setattr(param, _GRAD_ALLREDUCE_ATTR, allreduce_grad)
     return param
+
+
+def reduce_replicated_grads(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Reduce, over the tp ``group``, the gradients of parameters marked with ``allreduce_grad`` (one bucket).
+
+    Every rank of the group must pass the same parameters in the same order.
+    """
+    flagged = [p for p in params if p.grad is not None and grad_allreduce(p) is not None]
+    if not flagged:
+        return
+    size = dist.get_world_size(group)
+    flat = torch.cat([p.grad.reshape(-1) for p in flagged])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for p in flagged:
+        reduced = flat[offset : offset + p.numel()].view_as(p.grad)
+        p.grad.copy_(reduced / size if grad_allreduce(p) == "mean" else reduced)
+        offset += p.numel()
 
 
 @contextlib.contextmanager
 def parameter_creation_scope(
-    spec: ShardSpec | None = None, *, allreduce_grad: bool = False
+    spec: ShardSpec | None = None, *, allreduce_grad: str | None = None
 ) -> Iterator[None]:
     """Parameters registered on any module inside get ``spec`` and the gradient rule (SMP's scope of that name).
 
@@ -153,8 +175,9 @@ def parameter_creation_scope(
             self.weight = nn.Parameter(torch.empty(out_features // tp.size, in_features))
 
     The strategy then reads the spec to load shards from the original weights, to save full tensors, and to
-    count each logical parameter once in the gradient norm; ``allreduce_grad=True`` averages a replicated
-    parameter's gradient over the tp group after backward (for inputs that differ between tp ranks).
+    count each logical parameter once in the gradient norm; ``allreduce_grad="mean"`` averages a replicated
+    parameter's gradient over the tp group after backward, ``"sum"`` adds partial gradients (a replicated
+    parameter applied to different tokens on each rank, as under sequence parallelism).
     """
 
     def hook(module: nn.Module, name: str, param: nn.Parameter | None) -> None:

@@ -56,15 +56,23 @@ class SwapReport:
         )
 
 
-def build_registered(module: nn.Module, registration: Registration, tp: TPGroup, kwargs: dict) -> nn.Module:
-    """Build ``registration.dist_cls`` for ``module``, load its shards and attach the hooks."""
+def build_registered(
+    module: nn.Module, registration: Registration, tp: TPGroup, kwargs: dict, defaults: dict | None = None
+) -> nn.Module:
+    """Build ``registration.dist_cls`` for ``module``, load its shards and attach the hooks.
+
+    ``kwargs`` (the mark's) go to the constructor as given; ``defaults`` (the strategy's, e.g. ``optimize``)
+    only where the constructor takes them and neither the mark nor the init hook set them.
+    """
     if registration.init_hook is None:
         raise ValueError(
             f"{registration.dist_cls.__name__} is registered for {type(module).__name__} without an init_hook; give"
             " one that reads the sizes from the module (see [Note: hooks take the module])."
         )
     args, init_kwargs = registration.init_hook(module)
-    dist_module = registration.dist_cls(*args, **{**init_kwargs, **kwargs, "tp": tp})
+    accepted = _keyword_names(registration.dist_cls)
+    extra = {k: v for k, v in (defaults or {}).items() if k in accepted}
+    dist_module = registration.dist_cls(*args, **{**extra, **init_kwargs, **kwargs, "tp": tp})
     load_from(dist_module, module)
     if registration.forward_hook is not None:
         hook = registration.forward_hook
@@ -73,6 +81,15 @@ def build_registered(module: nn.Module, registration: Registration, tp: TPGroup,
         ret = registration.return_hook
         dist_module.register_forward_hook(lambda m, a, out: ret(out))
     return dist_module
+
+
+def _keyword_names(cls: type) -> set[str]:
+    import inspect
+
+    params = inspect.signature(cls.__init__).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return {p.name for p in params} | {"*"}
+    return {p.name for p in params}
 
 
 def load_from(dist_module: nn.Module, original: nn.Module) -> None:
@@ -98,6 +115,7 @@ def swap_modules(
     tp: TPGroup,
     translations: Iterable[Translation] = (),
     owns: Callable[[str], bool] | None = None,
+    defaults: dict | None = None,
 ) -> SwapReport:
     """Swap every marked module of ``root`` that has a distributed counterpart (see the module docstring).
 
@@ -106,8 +124,9 @@ def swap_modules(
         tp: this rank's tensor-parallel group.
         translations: per-model translations for marked modules without a registration (Hugging Face plans).
         owns: ``fqn -> bool``, whether this rank holds the module (pipeline stages); others are left alone.
+        defaults: constructor keywords for the registered classes that take them (e.g. ``{"optimize": ...}``).
     """
-    walk = _Walk(tp, list(translations), owns or (lambda fqn: True))
+    walk = _Walk(tp, list(translations), owns or (lambda fqn: True), dict(defaults or {}))
     walk.visit(root, "", None)
     _keep_ties(root, walk.built, walk.report)
     for fqn, module in walk.built.items():
@@ -122,6 +141,7 @@ class _Walk:
     tp: TPGroup
     translations: list[Translation]
     owns: Callable[[str], bool]
+    defaults: dict
     built: dict[str, nn.Module] = field(default_factory=dict)
     report: SwapReport = field(default_factory=SwapReport)
     planned: dict[str, Builder | str] = field(default_factory=dict)
@@ -154,7 +174,7 @@ class _Walk:
                     break
         try:
             if registration is not None:
-                return build_registered(module, registration, self.tp, mark.kwargs)
+                return build_registered(module, registration, self.tp, mark.kwargs, self.defaults)
             entry = self.planned.get(fqn)  # inside a translated model only its plan applies
             return entry if entry is None or isinstance(entry, str) else entry(module, self.tp)
         except ValueError as err:
