@@ -16,7 +16,8 @@ from lightning_mp.nn import DistributedTransformerLayer
 
 
 def _block_args(block: Block) -> tuple[tuple, dict]:
-    return (block.attn.n_embd, block.attn.n_head), {"dropout": block.attn.dropout, "hidden": block.mlp.c_fc.out_features}
+    sizes = (block.attn.n_embd, block.attn.n_head)
+    return sizes, {"dropout": block.attn.dropout, "hidden": block.mlp.c_fc.out_features}
 
 
 lightning_mp.tp_register_with_module(Block, DistributedTransformerLayer, init_hook=_block_args)

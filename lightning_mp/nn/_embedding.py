@@ -71,7 +71,8 @@ class DistributedEmbedding(TPModule, nn.Embedding):
         return reduce_from_tp(out, self.require_group())
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, ids=[{self.vocab_start}, {self.vocab_end}), tp={self.tp.size}"
+        ids = f"[{self.vocab_start}, {self.vocab_end})"
+        return f"{self.num_embeddings}, {self.embedding_dim}, ids={ids}, tp={self.tp.size}"
 
 
 def vocab_parallel_cross_entropy(

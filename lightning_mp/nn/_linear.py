@@ -92,7 +92,9 @@ class DistributedLinear(TPModule, nn.Linear):
                 "sequence_parallel=True takes and gives sequence-split activations: no gather_output, no split input."
             )
         if gather_output and parts != 1:
-            raise ValueError(f"gather_output=True with parts={parts} would interleave the fused blocks; gather them yourself.")
+            raise ValueError(
+                f"gather_output=True with parts={parts} would interleave the fused blocks; gather them yourself."
+            )
         self.in_features, self.out_features = in_features, out_features
         self.parallel, self.gather_output, self.input_is_parallel = parallel, gather_output, input_is_parallel
         self.transposed, self.sequence_parallel = transposed, sequence_parallel

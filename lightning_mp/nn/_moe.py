@@ -59,7 +59,9 @@ def _aux_loss(probs: Tensor, experts: Tensor) -> Tensor:
     return num_experts * (first * probs.mean(0)).sum()
 
 
-def _run_experts(x: Tensor, w1: Tensor, w2: Tensor, first_expert: int, experts: Tensor, gates: Tensor, kept: Tensor) -> Tensor:
+def _run_experts(
+    x: Tensor, w1: Tensor, w2: Tensor, first_expert: int, experts: Tensor, gates: Tensor, kept: Tensor
+) -> Tensor:
     """``sum`` over this module's experts of ``gate * expert(x)`` for the kept slots routed to them; ``(N, C)``."""
     out = torch.zeros_like(x)
     for local in range(w1.size(0)):
@@ -82,7 +84,9 @@ class MoE(nn.Module):
         capacity_factor: ``cf``.
     """
 
-    def __init__(self, n_embd: int, num_experts: int, hidden: int, top_k: int = 1, capacity_factor: float = 1.25) -> None:
+    def __init__(
+        self, n_embd: int, num_experts: int, hidden: int, top_k: int = 1, capacity_factor: float = 1.25
+    ) -> None:
         super().__init__()
         self.n_embd, self.num_experts, self.hidden = n_embd, num_experts, hidden
         self.top_k, self.capacity_factor = top_k, capacity_factor

@@ -17,7 +17,8 @@ from lightning_mp.tp._registry import tp_register_with_module
 
 
 def _linear_args(module: nn.Linear) -> tuple[tuple, dict]:
-    return (module.in_features, module.out_features, module.bias is not None), {"gather_output": True, "vocab_padded": True}
+    args = (module.in_features, module.out_features, module.bias is not None)
+    return args, {"gather_output": True, "vocab_padded": True}
 
 
 def _embedding_args(module: nn.Embedding) -> tuple[tuple, dict]:

@@ -82,7 +82,9 @@ class DistributedAttention(TPModule):
             raise ValueError(f"n_embd={n_embd} must be divisible by n_head={n_head}.")
         self.local_heads = check_divisible("n_head", n_head, tp.size)
         self.head_size, self.dropout, self.causal = n_embd // n_head, dropout, causal
-        self.c_attn = DistributedLinear(n_embd, 3 * n_embd, bias, tp=tp, parallel="column", parts=3, sequence_parallel=sp)
+        self.c_attn = DistributedLinear(
+            n_embd, 3 * n_embd, bias, tp=tp, parallel="column", parts=3, sequence_parallel=sp
+        )
         self.c_proj = DistributedLinear(n_embd, n_embd, bias, tp=tp, parallel="row", sequence_parallel=sp)
         self.resid_dropout = nn.Dropout(dropout)
 
@@ -92,7 +94,8 @@ class DistributedAttention(TPModule):
         qkv = self.c_attn(x)  # (B, T, 3C / tp), the whole sequence in both modes
         B, T, _ = qkv.shape
         q, k, v = qkv.split(local, dim=2)  # 3 x (B, T, C / tp)
-        q, k, v = (t.view(B, T, self.local_heads, self.head_size).transpose(1, 2) for t in (q, k, v))  # (B, nh/tp, T, hs)
+        heads = (B, T, self.local_heads, self.head_size)
+        q, k, v = (t.view(heads).transpose(1, 2) for t in (q, k, v))  # (B, nh/tp, T, hs)
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=self.causal
         )  # (B, nh/tp, T, hs)
@@ -217,9 +220,8 @@ class DistributedTransformer(nn.Sequential):
     def __init__(
         self, n_layer: int, n_embd: int, n_head: int, *, tp: TPGroup, dropout: float = 0.0, optimize: Optimize = "speed"
     ) -> None:
-        super().__init__(
-            *[DistributedTransformerLayer(n_embd, n_head, tp=tp, dropout=dropout, optimize=optimize) for _ in range(n_layer)]
-        )
+        options = {"tp": tp, "dropout": dropout, "optimize": optimize}
+        super().__init__(*(DistributedTransformerLayer(n_embd, n_head, **options) for _ in range(n_layer)))
         self.sequence_parallel = _sequence_parallel(optimize)
 
     def forward(self, x: Tensor) -> Tensor:

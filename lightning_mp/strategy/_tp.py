@@ -27,7 +27,13 @@ from lightning_mp.tp._hf import translate_hf
 from lightning_mp.tp._swap import SwapReport, swap_modules
 from lightning_mp.topology import MeshAxis, Topology
 
-__all__ = ["apply_tensor_parallelism", "average_replicated_grads", "build_groups", "global_grad_norm", "parameter_counts"]
+__all__ = [
+    "apply_tensor_parallelism",
+    "average_replicated_grads",
+    "build_groups",
+    "global_grad_norm",
+    "parameter_counts",
+]
 
 
 def build_groups(topology: Topology, mesh: dist.DeviceMesh, timeout) -> ParallelGroups:
