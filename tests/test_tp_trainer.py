@@ -1,6 +1,8 @@
-"""Tier 2: ``Trainer.fit`` of the example GPT (``examples.gpt_tp.TPGPT``) under tensor parallelism against the
-same model on one process: per-step losses, every gradient of the first step (this rank's shard of the
-reference gradient), and the updated parameters (full state dict, original keys), rtol 1e-5."""
+"""Tier 2: ``Trainer.fit`` under tensor parallelism against the same model on one process: the example GPT
+(``examples.gpt_tp.TPGPT``) at tp2, tp2 with sequence parallelism, dp2 x tp2, pp2 x tp2, with an unswappable
+block, resumed from a checkpoint; and a tied-embedding transformers Llama through its own tp_plan. Compared:
+per-step losses, every gradient of the first step (this rank's shard of the reference gradient), validation
+loss, and the updated parameters (full state dict, original keys), rtol 1e-5."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_mp
 from examples.gpt_tp import TPGPT
+from examples.llama import LlamaLM
 from lightning_mp.tp import shard, shard_spec
 
 STEPS, GLOBAL_BATCH, VOCAB, T = 3, 4, 33, 8  # an odd vocabulary: padded vocab-parallel shards
@@ -57,7 +60,7 @@ class Record(L.Callback):
         state = {k: v.clone() for k, v in pl_module.state_dict().items()}  # collective under tp: full tensors
         swapped = sorted({type(m).__name__ for m in pl_module.modules()})
         torch.save(
-            {"losses": self.losses, "grads": self.grads, "state": state, "modules": swapped, "n_head": pl_module.hparams.n_head,
+            {"losses": self.losses, "grads": self.grads, "state": state, "modules": swapped, "n_head": pl_module.hparams.get("n_head"),
              "sequence_parallel": getattr(self, "sequence_parallel", False),
              "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan")))},
             os.path.join(self.out_dir, f"{trainer.global_rank}.pt"),
@@ -196,5 +199,49 @@ def test_checkpoint_resume_at_tp2_matches_one_process(tmp_path):
     assert len(reference["losses"]) == STEPS, "the resumed run took the remaining steps"
     for result in finals["tp2"]:
         torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-5, atol=1e-6)
+        for key, value in result["state"].items():
+            torch.testing.assert_close(value, reference["state"][key], rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+
+
+class TinyLlama(LlamaLM):
+    """A tied-embedding Llama from transformers, marked for its own ``tp_plan``."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=T, learning_rate=1e-2,
+        )
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.learning_rate, eps=1e-4)  # see TinyTPGPT
+
+    train_dataloader = TinyTPGPT.train_dataloader
+    val_dataloader = TinyTPGPT.val_dataloader
+
+
+def test_hf_llama_fit_at_tp2_matches_one_process(tmp_path):
+    def fit(out_dir, strategy=None, devices=1):
+        os.makedirs(out_dir)
+        torch.manual_seed(0)
+        trainer = L.Trainer(
+            accelerator="cpu", devices=devices, strategy=strategy or "auto", max_steps=STEPS, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            num_sanity_val_steps=0, callbacks=[Record(out_dir)], use_distributed_sampler=False,
+        )
+        trainer.fit(TinyLlama())
+        return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(devices)]
+
+    reference = fit(str(tmp_path / "ref"))[0]
+    results = fit(str(tmp_path / "tp2"), lightning_mp.SMPStrategy(tensor_parallel_degree=2, start_method="fork"), 2)
+    for tp_rank, result in enumerate(results):
+        assert {"DistributedLinear", "DistributedEmbedding"} <= set(result["modules"])
+        torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(result["val_loss"], reference["val_loss"], rtol=1e-5, atol=1e-6)
+        assert set(result["grads"]) == set(reference["grads"])
+        for name, (grad, spec) in result["grads"].items():
+            full = reference["grads"][name][0]
+            expected = full if spec is None else shard(full, spec, tp_rank, 2)
+            torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"grad {n}: {m}")
+        assert set(result["state"]) == set(reference["state"])
         for key, value in result["state"].items():
             torch.testing.assert_close(value, reference["state"][key], rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
