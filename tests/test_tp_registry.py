@@ -131,3 +131,13 @@ def test_parameter_counts_after_swap_halve_the_sharded_weights():
     assert full == full_before
     replicated = sum(p.numel() for p in model.parameters() if shard_spec(p) is None)
     assert local - replicated == (full - replicated) // 2
+
+
+def test_config_accepts_tp_and_turns_deterministic_order_on():
+    config = lightning_mp.SMPConfig(tensor_parallel_degree=2, pipeline_parallel_degree=2)
+    assert config.effective_deterministic_order
+    assert not lightning_mp.SMPConfig(tensor_parallel_degree=2, deterministic_order=False).effective_deterministic_order
+    topology = lightning_mp.Topology(world_size=8, rank=5, pipeline_parallel_degree=2, tensor_parallel_degree=2)
+    assert (topology.dp_rank, topology.pp_rank, topology.tp_rank) == (1, 0, 1)  # tp ranks are neighbours
+    with pytest.raises(ValueError, match=r"World size 6 is not divisible by .* = 4"):
+        lightning_mp.Topology(world_size=6, rank=0, pipeline_parallel_degree=2, tensor_parallel_degree=2)
