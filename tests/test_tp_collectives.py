@@ -116,3 +116,18 @@ def test_unknown_group_name_is_a_value_error():
     groups = ParallelGroups(world=None, tp=None, pp=None, dp=None, rdp=None)
     with pytest.raises(ValueError, match="Unknown group 'mp'.*'tp'"):
         groups.get("mp")
+
+
+def _rng_worker(rank: int, world: int) -> list[float]:
+    from lightning_mp.strategy._tp import sync_rng_over_tp
+
+    torch.manual_seed(100 + rank)  # ranks seeded differently
+    w = dist.group.WORLD
+    sync_rng_over_tp(ParallelGroups(world=w, tp=w, pp=w, dp=w, rdp=w))
+    return torch.rand(3).tolist()
+
+
+def test_tp_ranks_draw_the_same_random_numbers_after_setup():
+    first, second = run_distributed(_rng_worker, 2, start_method="fork")
+    torch.manual_seed(100)
+    assert first == second == torch.rand(3).tolist()

@@ -33,6 +33,7 @@ __all__ = [
     "build_groups",
     "global_grad_norm",
     "parameter_counts",
+    "sync_rng_over_tp",
 ]
 
 
@@ -93,6 +94,7 @@ def apply_tensor_parallelism(
                 f"tensor_parallel_degree={tp.size} but no module was swapped on global rank 0's stage: mark modules"
                 " with `lightning_mp.set_tensor_parallelism(module)` or `with lightning_mp.tensor_parallelism():`."
             )
+    sync_rng_over_tp(groups)
     new_stage_of: dict[str, int] = {}
     for fqn, _ in model.named_modules(remove_duplicate=False):
         ancestor = fqn
@@ -100,6 +102,23 @@ def apply_tensor_parallelism(
             ancestor = ancestor.rpartition(".")[0]
         new_stage_of[fqn] = stage_of.get(ancestor, own_stage)
     return new_stage_of, report
+
+
+def sync_rng_over_tp(groups: ParallelGroups) -> None:
+    """Give every rank of the tp group tp rank 0's torch RNG state (CPU, and CUDA when in use).
+
+    Replicated activations must stay equal across the group, so random ops outside the tensor-parallel regions
+    (dropout on embeddings and residuals) must draw the same numbers on every tp rank, even when the ranks were
+    not seeded alike.
+    """
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states.append(torch.cuda.get_rng_state())
+    payload = [states]
+    dist.broadcast_object_list(payload, src=dist.get_global_rank(groups.tp, 0), group=groups.tp)
+    torch.set_rng_state(payload[0][0])
+    if len(payload[0]) > 1:
+        torch.cuda.set_rng_state(payload[0][1])
 
 
 def parameter_counts(model: nn.Module) -> tuple[int, int]:
