@@ -91,6 +91,12 @@ class SMPConfig:
     Costs one small message per task from the leader; requires the replicas to make the same calls (no
     data-dependent control flow that differs between replicas). ``None``: on when ``tensor_parallel_degree > 1``."""
 
+    placement_strategy: str = "cluster"
+    """Which parallel axis gets neighbouring global ranks (SMP's knob): ``"cluster"`` (= ``"DPT"``: the ranks of a
+    tensor-parallel group are neighbours, then the stages, then the replicas), ``"spread"`` (= ``"TPD"``: replicas
+    are neighbours) or any permutation of ``D``, ``P``, ``T`` from the outermost axis to the innermost. Put the
+    axis with the most traffic (tp) on the fastest links (the ranks of one node)."""
+
     def __post_init__(self) -> None:
         for name in ("pipeline_parallel_degree", "tensor_parallel_degree", "microbatches"):
             value = getattr(self, name)
@@ -113,6 +119,12 @@ class SMPConfig:
                 )
         if self.deterministic_order not in (None, True, False):
             raise ValueError(f"`deterministic_order` must be True, False or None, got {self.deterministic_order!r}.")
+        order = {"cluster": "DPT", "spread": "TPD"}.get(self.placement_strategy, self.placement_strategy)
+        if not isinstance(order, str) or sorted(order) != ["D", "P", "T"]:
+            raise ValueError(
+                f"`placement_strategy` must be 'cluster', 'spread' or a permutation of 'D', 'P', 'T' (outermost axis"
+                f" first), got {self.placement_strategy!r}."
+            )
         if self.timeout.total_seconds() <= 0:
             raise ValueError(f"`timeout` must be positive, got {self.timeout}.")
 

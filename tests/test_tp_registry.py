@@ -141,3 +141,21 @@ def test_config_accepts_tp_and_turns_deterministic_order_on():
     assert (topology.dp_rank, topology.pp_rank, topology.tp_rank) == (1, 0, 1)  # tp ranks are neighbours
     with pytest.raises(ValueError, match=r"World size 6 is not divisible by .* = 4"):
         lightning_mp.Topology(world_size=6, rank=0, pipeline_parallel_degree=2, tensor_parallel_degree=2)
+
+
+@pytest.mark.parametrize(
+    ("placement", "neighbours"), [("cluster", "tp"), ("DPT", "tp"), ("spread", "dp"), ("TPD", "dp"), ("DTP", "pp")]
+)
+def test_placement_strategy_decides_which_axis_is_adjacent(placement, neighbours):
+    grid = [lightning_mp.Topology(8, r, 2, 2, placement) for r in range(8)]
+    coords = [(g.dp_rank, g.pp_rank, g.tp_rank) for g in grid]
+    assert sorted(coords) == sorted({(d, p, t) for d in range(2) for p in range(2) for t in range(2)})
+    assert all(g.global_rank(dp_rank=g.dp_rank, pp_rank=g.pp_rank, tp_rank=g.tp_rank) == g.rank for g in grid)
+    axis = {"dp": 0, "pp": 1, "tp": 2}[neighbours]
+    other = [i for i in range(3) if i != axis]
+    assert coords[0][axis] == 0 and coords[1][axis] == 1 and all(coords[0][i] == coords[1][i] for i in other)
+
+
+def test_bad_placement_strategy_is_a_value_error():
+    with pytest.raises(ValueError, match="`placement_strategy` must be 'cluster', 'spread' or a permutation"):
+        lightning_mp.SMPConfig(placement_strategy="DDT")

@@ -91,27 +91,34 @@ CLIP = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}
 
 
 @pytest.mark.parametrize(
-    ("pp", "tp", "dp", "microbatches", "trainer_kwargs", "optimize"),
+    ("pp", "tp", "dp", "microbatches", "trainer_kwargs", "optimize", "placement"),
     [
-        (1, 2, 1, 1, {}, "speed"),
-        (1, 2, 1, 1, CLIP, "memory"),
-        (1, 2, 2, 2, CLIP, "speed"),
-        (2, 2, 1, 2, CLIP, "speed"),
+        (1, 2, 1, 1, {}, "speed", "cluster"),
+        (1, 2, 1, 1, CLIP, "memory", "cluster"),
+        (1, 2, 2, 2, CLIP, "speed", "cluster"),
+        (1, 2, 2, 1, {}, "speed", "spread"),
+        (2, 2, 1, 2, CLIP, "speed", "cluster"),
     ],
-    ids=["tp2", "tp2-memory-sequence-parallel-clipnorm", "dp2xtp2-mb2-clipnorm", "pp2xtp2-mb2-clipnorm"],
+    ids=[
+        "tp2",
+        "tp2-memory-sequence-parallel-clipnorm",
+        "dp2xtp2-mb2-clipnorm",
+        "dp2xtp2-spread-placement",
+        "pp2xtp2-mb2-clipnorm",
+    ],
 )
-def test_gpt_fit_matches_one_process(tmp_path, pp, tp, dp, microbatches, trainer_kwargs, optimize):
+def test_gpt_fit_matches_one_process(tmp_path, pp, tp, dp, microbatches, trainer_kwargs, optimize, placement):
     os.makedirs(tmp_path / "ref")
     os.makedirs(tmp_path / "smp")
     reference = _fit(str(tmp_path / "ref"), **trainer_kwargs)[0]
     strategy = lightning_mp.SMPStrategy(
         pipeline_parallel_degree=pp, tensor_parallel_degree=tp, microbatches=microbatches, optimize=optimize,
-        start_method="fork",
+        placement_strategy=placement, start_method="fork",
     )
     results = _fit(str(tmp_path / "smp"), strategy, devices=pp * tp * dp, **trainer_kwargs)
     assert "DistributedTransformerLayer" in results[0]["modules"] and "Block" not in results[0]["modules"]
     assert results[0]["sequence_parallel"] == (optimize == "memory")
-    _check_against_reference(results, reference, tp=tp, dp=dp, pp=pp)
+    _check_against_reference(results, reference, tp=tp, dp=dp, pp=pp, placement=placement)
 
 
 def test_unswappable_block_still_trains_unswapped(tmp_path):
@@ -125,19 +132,23 @@ def test_unswappable_block_still_trains_unswapped(tmp_path):
     _check_against_reference(results, reference, tp=2, dp=1, pp=1)
 
 
-def _check_against_reference(results: list[dict], reference: dict, *, tp: int, dp: int, pp: int) -> None:
+def _check_against_reference(
+    results: list[dict], reference: dict, *, tp: int, dp: int, pp: int, placement: str = "cluster"
+) -> None:
     assert "DistributedEmbedding" in results[0]["modules"]
+    grid = [lightning_mp.Topology(len(results), r, pp, tp, placement) for r in range(len(results))]
+    rank_of = {(g.dp_rank, g.pp_rank, g.tp_rank): g.rank for g in grid}
     for rank, result in enumerate(results):
-        tp_rank, replica = rank % tp, rank // (tp * pp)
-        replica_losses = torch.tensor([results[r * tp * pp]["losses"] for r in range(dp)])
+        tp_rank, replica = grid[rank].tp_rank, grid[rank].dp_rank
+        replica_losses = torch.tensor([results[rank_of[(d, 0, 0)]]["losses"] for d in range(dp)])
         torch.testing.assert_close(replica_losses.mean(0).tolist(), reference["losses"], rtol=1e-5, atol=1e-6)
-        assert result["losses"] == results[replica * tp * pp]["losses"], "the tp ranks of a replica agree"
+        assert result["losses"] == results[rank_of[(replica, 0, 0)]]["losses"], "the ranks of a replica agree"
         if pp == 1:
             assert set(result["grads"]) == set(reference["grads"])
         else:  # the stages of one replica hold every parameter between them, each its own
-            assert set(results[0]["state"]).isdisjoint(results[tp]["state"])
-            replica_ranks = range(replica * tp * pp + tp_rank, (replica + 1) * tp * pp, tp)
-            assert set().union(*(results[r]["state"] for r in replica_ranks)) == set(reference["state"])
+            stage_states = [results[rank_of[(replica, p, tp_rank)]]["state"] for p in range(pp)]
+            assert set(stage_states[0]).isdisjoint(stage_states[1])
+            assert set().union(*stage_states) == set(reference["state"])
         assert result["grads"], "gradients were recorded"
         if dp == 1:  # validation ran through the same layout (after the last step)
             torch.testing.assert_close(result["val_loss"], reference["val_loss"], rtol=1e-5, atol=1e-6)

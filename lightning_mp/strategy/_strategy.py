@@ -89,6 +89,8 @@ class SMPStrategy(ParallelStrategy):
         process_group_backend: ``None`` picks gloo on CPU, NCCL on CUDA.
         timeout: how long any rank waits for a peer before raising (collectives and pipeline messages).
         start_method: ``"popen"`` (re-run the script per rank, like ``ddp``) or ``"spawn"``/``"fork"``.
+        placement_strategy: which axis gets neighbouring ranks: ``"cluster"`` (tp, default), ``"spread"``
+            (replicas) or a permutation of ``D``, ``P``, ``T`` (outermost first).
 
     Raises:
         ValueError: at construction for invalid values (see :class:`lightning_mp.SMPConfig`); at setup for a world
@@ -117,6 +119,7 @@ class SMPStrategy(ParallelStrategy):
         timeout: timedelta = default_pg_timeout,
         deterministic_order: bool | None = None,
         start_method: Literal["popen", "spawn", "fork"] = "popen",
+        placement_strategy: str = "cluster",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -147,6 +150,7 @@ class SMPStrategy(ParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
             deterministic_order=deterministic_order,
+            placement_strategy=placement_strategy,
         )
         self._start_method = start_method
         self.num_nodes = 1
@@ -263,6 +267,7 @@ class SMPStrategy(ParallelStrategy):
             self.global_rank,
             self.config.pipeline_parallel_degree,
             self.config.tensor_parallel_degree,
+            self.config.placement_strategy,
         )
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, timeout=self.config.timeout)
