@@ -15,6 +15,7 @@ Recipe (:func:`swap_modules`):
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -84,12 +85,9 @@ def build_registered(
 
 
 def _keyword_names(cls: type) -> set[str]:
-    import inspect
-
-    params = inspect.signature(cls.__init__).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return {p.name for p in params} | {"*"}
-    return {p.name for p in params}
+    """Names ``cls.__init__`` takes by keyword (a ``**kwargs`` catch-all does not count: defaults are opt-in)."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p.name for p in inspect.signature(cls.__init__).parameters.values() if p.kind in kinds}
 
 
 def load_from(dist_module: nn.Module, original: nn.Module) -> None:
