@@ -1,6 +1,7 @@
 """Tier 2: ``Trainer.fit`` under tensor parallelism against the same model on one process: the example GPT
 (``examples.gpt_tp.TPGPT``) at tp2, tp2 with sequence parallelism, dp2 x tp2, pp2 x tp2, with an unswappable
-block, resumed from a checkpoint; and a tied-embedding transformers Llama through its own tp_plan. Compared:
+block, resumed from a checkpoint; and transformers models: a tied-embedding Llama through its own tp_plan,
+GPT-2 and BERT through the built-in translations. Compared:
 per-step losses, every gradient of the first step (this rank's shard of the reference gradient), validation
 loss, and the updated parameters (full state dict, original keys), rtol 1e-5."""
 
@@ -15,7 +16,6 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_mp
 from examples.gpt_tp import TPGPT
-from examples.llama import LlamaLM
 from lightning_mp.tp import shard, shard_spec
 
 STEPS, GLOBAL_BATCH, VOCAB, T = 3, 4, 33, 8  # an odd vocabulary: padded vocab-parallel shards
@@ -214,23 +214,39 @@ def test_checkpoint_resume_at_tp2_matches_one_process(tmp_path):
             torch.testing.assert_close(value, reference["state"][key], rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
 
 
-class TinyLlama(LlamaLM):
-    """A tied-embedding Llama from transformers, marked for its own ``tp_plan``."""
+class TinyHF(L.LightningModule):
+    """A tiny transformers model (random init) marked whole for tensor parallelism; next-token CE on its logits."""
 
-    def __init__(self) -> None:
-        super().__init__(
-            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=T, learning_rate=1e-2,
-        )
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        from tests.test_tp_hf import BUILDERS
+
+        self.model = lightning_mp.set_tensor_parallelism(BUILDERS[name]())
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._loss(batch))
+
+    def _loss(self, batch):
+        x, y = batch
+        logits = self.model(input_ids=x).logits
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.learning_rate, eps=1e-4)  # see TinyTPGPT
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, eps=1e-4)  # eps: see TinyTPGPT
 
     train_dataloader = TinyTPGPT.train_dataloader
     val_dataloader = TinyTPGPT.val_dataloader
 
 
-def test_hf_llama_fit_at_tp2_matches_one_process(tmp_path):
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
+def test_hf_fit_at_tp2_matches_one_process(tmp_path, name):
+    """Tied-embedding Llama (its own tp_plan), GPT-2 (Conv1D translation), BERT (MLM translation, padding_idx)."""
+
     def fit(out_dir, strategy=None, devices=1):
         os.makedirs(out_dir)
         torch.manual_seed(0)
@@ -239,7 +255,7 @@ def test_hf_llama_fit_at_tp2_matches_one_process(tmp_path):
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             num_sanity_val_steps=0, callbacks=[Record(out_dir)], use_distributed_sampler=False,
         )
-        trainer.fit(TinyLlama())
+        trainer.fit(TinyHF(name))
         return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(devices)]
 
     reference = fit(str(tmp_path / "ref"))[0]
@@ -249,10 +265,12 @@ def test_hf_llama_fit_at_tp2_matches_one_process(tmp_path):
         torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(result["val_loss"], reference["val_loss"], rtol=1e-5, atol=1e-6)
         assert set(result["grads"]) == set(reference["grads"])
-        for name, (grad, spec) in result["grads"].items():
-            full = reference["grads"][name][0]
+        for n, (grad, spec) in result["grads"].items():
+            full = reference["grads"][n][0]
             expected = full if spec is None else shard(full, spec, tp_rank, 2)
-            torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"grad {n}: {m}")
+            torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"grad {n}: {m}")
         assert set(result["state"]) == set(reference["state"])
         for key, value in result["state"].items():
-            torch.testing.assert_close(value, reference["state"][key], rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+            torch.testing.assert_close(
+                value, reference["state"][key], rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}"
+            )
