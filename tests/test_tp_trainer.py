@@ -24,7 +24,9 @@ STEPS, GLOBAL_BATCH, VOCAB, T = 3, 4, 33, 8  # an odd vocabulary: padded vocab-p
 class TinyTPGPT(TPGPT):
     def __init__(self, n_head: int = 4) -> None:
         n_embd = 4 * n_head
-        super().__init__(vocab_size=VOCAB, block_size=T, n_layer=2, n_head=n_head, n_embd=n_embd, learning_rate=1e-2, warmup_steps=1)
+        super().__init__(
+            vocab_size=VOCAB, block_size=T, n_layer=2, n_head=n_head, n_embd=n_embd, learning_rate=1e-2, warmup_steps=1
+        )
 
     def configure_optimizers(self):
         """The GPT's AdamW groups, with ``eps=1e-4``: the key bias's true gradient is zero (softmax is shift
@@ -59,12 +61,16 @@ class Record(L.Callback):
     def on_train_end(self, trainer, pl_module):
         state = {k: v.clone() for k, v in pl_module.state_dict().items()}  # collective under tp: full tensors
         swapped = sorted({type(m).__name__ for m in pl_module.modules()})
-        torch.save(
-            {"losses": self.losses, "grads": self.grads, "state": state, "modules": swapped, "n_head": pl_module.hparams.get("n_head"),
-             "sequence_parallel": getattr(self, "sequence_parallel", False),
-             "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan")))},
-            os.path.join(self.out_dir, f"{trainer.global_rank}.pt"),
-        )
+        record = {
+            "losses": self.losses,
+            "grads": self.grads,
+            "state": state,
+            "modules": swapped,
+            "n_head": pl_module.hparams.get("n_head"),
+            "sequence_parallel": getattr(self, "sequence_parallel", False),
+            "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
+        }
+        torch.save(record, os.path.join(self.out_dir, f"{trainer.global_rank}.pt"))
 
 
 def _fit(out_dir: str, strategy=None, devices: int = 1, n_head: int = 4, **trainer_kwargs) -> list[dict]:
@@ -158,7 +164,9 @@ def _check_against_reference(
             torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"grad {n}: {m}")
         for key, value in result["state"].items():
             assert value.shape == reference["state"][key].shape, key
-            torch.testing.assert_close(value, reference["state"][key], rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+            torch.testing.assert_close(
+                value, reference["state"][key], rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}"
+            )
     torch.manual_seed(0)
     initial = TinyTPGPT(results[0]["n_head"]).state_dict()
     assert all(not torch.equal(reference["state"][k], initial[k]) for k in ("wte.weight", "h.0.mlp.c_fc.weight"))
@@ -171,7 +179,9 @@ class _NoScheduleGPT(TinyTPGPT):
         return super().configure_optimizers()["optimizer"]
 
 
-def _fit_resume(out_dir: str, ckpt_dir: str, strategy_fn, devices: int, ckpt_path=None, steps: int = STEPS) -> list[dict]:
+def _fit_resume(
+    out_dir: str, ckpt_dir: str, strategy_fn, devices: int, ckpt_path=None, steps: int = STEPS
+) -> list[dict]:
     torch.manual_seed(0)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -211,7 +221,9 @@ def test_checkpoint_resume_at_tp2_matches_one_process(tmp_path):
     for result in finals["tp2"]:
         torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-5, atol=1e-6)
         for key, value in result["state"].items():
-            torch.testing.assert_close(value, reference["state"][key], rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+            torch.testing.assert_close(
+                value, reference["state"][key], rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}"
+            )
 
 
 class TinyHF(L.LightningModule):
