@@ -28,6 +28,11 @@ class TinyTPGPT(TPGPT):
             vocab_size=VOCAB, block_size=T, n_layer=2, n_head=n_head, n_embd=n_embd, learning_rate=1e-2, warmup_steps=1
         )
 
+    def training_step(self, batch, batch_idx):
+        # once per step, summed over replicas only (the tp ranks of a replica log the same samples)
+        self.log("samples", float(batch[0].shape[0]), reduce_fx="sum", on_step=False, on_epoch=True, sync_dist=True)
+        return super().training_step(batch, batch_idx)
+
     def configure_optimizers(self):
         """The GPT's AdamW groups, with ``eps=1e-4``: the key bias's true gradient is zero (softmax is shift
         invariant), so its gradient is rounding noise that Adam with a tiny eps turns into full-size steps."""
@@ -69,6 +74,7 @@ class Record(L.Callback):
             "n_head": pl_module.hparams.get("n_head"),
             "sequence_parallel": getattr(self, "sequence_parallel", False),
             "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
+            "samples": float(trainer.callback_metrics.get("samples", float("nan"))),
         }
         torch.save(record, os.path.join(self.out_dir, f"{trainer.global_rank}.pt"))
 
@@ -156,6 +162,7 @@ def _check_against_reference(
             assert set(stage_states[0]).isdisjoint(stage_states[1])
             assert set().union(*stage_states) == set(reference["state"])
         assert result["grads"], "gradients were recorded"
+        assert result["samples"] == reference["samples"] == STEPS * GLOBAL_BATCH, "sync_dist sums over replicas only"
         if dp == 1:  # validation ran through the same layout (after the last step)
             torch.testing.assert_close(result["val_loss"], reference["val_loss"], rtol=1e-5, atol=1e-6)
         for name, (grad, spec) in result["grads"].items():

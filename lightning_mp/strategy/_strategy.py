@@ -486,7 +486,8 @@ class SMPStrategy(ParallelStrategy):
                 session.finish(summary)
             else:
                 summary = session.serve()
-        dp_group = self.device_mesh.get_group(MeshAxis.DP.value) if self.topology.pipeline_parallel_degree > 1 else None
+        model_parallel = self.topology.pipeline_parallel_degree * self.topology.tensor_parallel_degree > 1
+        dp_group = self.device_mesh.get_group(MeshAxis.DP.value) if model_parallel else None  # sync over replicas
         replay_logs(module, summary.logs, dp_group)
         return _to_device(summary.output, self.root_device)
 
