@@ -32,7 +32,8 @@ class SMPConfig:
     """Number of pipeline stages (SMP ``partitions``). Each stage lives on its own rank."""
 
     tensor_parallel_degree: int = 1
-    """Size of a tensor-parallel group. Only ``1`` is supported so far."""
+    """Size of a tensor-parallel group: marked modules are split over this many neighbouring ranks, which read the
+    same batch (see ``lightning_mp.set_tensor_parallelism``). ``dp = world_size / (pp * tp)``."""
 
     microbatches: int = 1
     """Microbatches per batch. Every tensor in a batch is split along dim 0 into this many equal parts."""
@@ -101,16 +102,17 @@ class SMPConfig:
     """ZeRO-1 (SMP's ``shard_optimizer_state``): each data-parallel rank keeps and steps 1/dp of its stage's
     optimizer state (``torch.distributed.optim.ZeroRedundancyOptimizer``); checkpoints save the shards through DCP."""
 
+    placement_strategy: str = "cluster"
+    """Which parallel axis gets neighbouring global ranks (SMP's knob): ``"cluster"`` (= ``"DPT"``: the ranks of a
+    tensor-parallel group are neighbours, then the stages, then the replicas), ``"spread"`` (= ``"TPD"``: replicas
+    are neighbours) or any permutation of ``D``, ``P``, ``T`` from the outermost axis to the innermost. Put the
+    axis with the most traffic (tp) on the fastest links (the ranks of one node)."""
+
     def __post_init__(self) -> None:
         for name in ("pipeline_parallel_degree", "tensor_parallel_degree", "microbatches"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
-        if self.tensor_parallel_degree != 1:
-            raise ValueError(
-                f"`tensor_parallel_degree={self.tensor_parallel_degree}` is not supported yet; tensor parallelism"
-                " is still being built. Use `tensor_parallel_degree=1` (pipeline and data parallelism work)."
-            )
         self._check_non_split_inputs()
         if self.pipeline not in ("interleaved", "simple"):
             raise ValueError(f"`pipeline` must be 'interleaved' or 'simple', got {self.pipeline!r}.")
@@ -131,6 +133,12 @@ class SMPConfig:
         for name in ("delayed_parameter_initialization", "shard_optimizer_state"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
+        order = {"cluster": "DPT", "spread": "TPD"}.get(self.placement_strategy, self.placement_strategy)
+        if not isinstance(order, str) or sorted(order) != ["D", "P", "T"]:
+            raise ValueError(
+                f"`placement_strategy` must be 'cluster', 'spread' or a permutation of 'D', 'P', 'T' (outermost axis"
+                f" first), got {self.placement_strategy!r}."
+            )
         if self.timeout.total_seconds() <= 0:
             raise ValueError(f"`timeout` must be positive, got {self.timeout}.")
 

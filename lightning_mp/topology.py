@@ -1,10 +1,12 @@
 """The (dp, pp, tp) rank grid, its process groups, and rank helpers.
 
-Global rank layout (tensor-parallel ranks are neighbours, then pipeline, then data parallel)::
+Global rank layout by default (tensor-parallel ranks are neighbours, then pipeline, then data parallel)::
 
     rank = dp_rank * (pp * tp) + pp_rank * tp + tp_rank
 
-This is SMP's default ``placement_strategy="cluster"`` order for the model-parallel axes. Groups come from
+This is SMP's default ``placement_strategy="cluster"`` (``"DPT"``: axes from outermost to innermost, the last
+one gets neighbouring ranks). ``"spread"`` is ``"TPD"`` (replicas neighbouring); any permutation of ``D``,
+``P``, ``T`` is accepted. Groups come from
 ``torch.distributed.device_mesh.init_device_mesh`` with axis names from :class:`MeshAxis`.
 """
 
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
@@ -39,14 +42,23 @@ class Topology:
         rank: this process's global rank.
         pipeline_parallel_degree: pp, number of pipeline stages.
         tensor_parallel_degree: tp, ranks per tensor-parallel group.
+        placement_strategy: which axis gets neighbouring ranks: ``"cluster"`` (= ``"DPT"``, tp neighbours),
+            ``"spread"`` (= ``"TPD"``, replicas neighbours) or a permutation of ``D``, ``P``, ``T``, outermost first.
     """
 
     world_size: int
     rank: int
     pipeline_parallel_degree: int = 1
     tensor_parallel_degree: int = 1
+    placement_strategy: str = "cluster"
 
     def __post_init__(self) -> None:
+        order = _PLACEMENTS.get(self.placement_strategy, self.placement_strategy)
+        if sorted(order) != ["D", "P", "T"]:
+            raise ValueError(
+                f"placement_strategy={self.placement_strategy!r} is not 'cluster', 'spread' or a permutation of"
+                " 'D', 'P', 'T' (outermost axis first; e.g. 'DPT' puts tensor-parallel ranks next to each other)."
+            )
         model_parallel = self.pipeline_parallel_degree * self.tensor_parallel_degree
         if self.world_size % model_parallel != 0:
             raise ValueError(
@@ -69,16 +81,32 @@ class Topology:
         return (self.data_parallel_degree, self.pipeline_parallel_degree, self.tensor_parallel_degree)
 
     @property
+    def axis_order(self) -> str:
+        """The axes ``D``, ``P``, ``T`` from outermost to innermost (the last has neighbouring ranks)."""
+        return _PLACEMENTS.get(self.placement_strategy, self.placement_strategy)
+
+    def _strides(self) -> dict[str, int]:
+        sizes = {"D": self.data_parallel_degree, "P": self.pipeline_parallel_degree, "T": self.tensor_parallel_degree}
+        strides, stride = {}, 1
+        for axis in reversed(self.axis_order):
+            strides[axis] = stride
+            stride *= sizes[axis]
+        return strides
+
+    def _coordinate(self, axis: str, size: int) -> int:
+        return (self.rank // self._strides()[axis]) % size
+
+    @property
     def tp_rank(self) -> int:
-        return self.rank % self.tensor_parallel_degree
+        return self._coordinate("T", self.tensor_parallel_degree)
 
     @property
     def pp_rank(self) -> int:
-        return (self.rank // self.tensor_parallel_degree) % self.pipeline_parallel_degree
+        return self._coordinate("P", self.pipeline_parallel_degree)
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // (self.pipeline_parallel_degree * self.tensor_parallel_degree)
+        return self._coordinate("D", self.data_parallel_degree)
 
     @property
     def is_driver(self) -> bool:
@@ -87,7 +115,8 @@ class Topology:
 
     def global_rank(self, *, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
         """Global rank of the given grid coordinates."""
-        return (dp_rank * self.pipeline_parallel_degree + pp_rank) * self.tensor_parallel_degree + tp_rank
+        strides = self._strides()
+        return dp_rank * strides["D"] + pp_rank * strides["P"] + tp_rank * strides["T"]
 
     def pp_group_ranks(self) -> list[int]:
         """Global ranks of this rank's pipeline group, indexed by stage."""
@@ -102,6 +131,9 @@ class Topology:
             self.global_rank(dp_rank=d, pp_rank=self.pp_rank, tp_rank=self.tp_rank)
             for d in range(self.data_parallel_degree)
         ]
+
+
+_PLACEMENTS = {"cluster": "DPT", "spread": "TPD"}
 
 
 def build_device_mesh(topology: Topology, device_type: str) -> DeviceMesh:
@@ -123,4 +155,12 @@ def build_device_mesh(topology: Topology, device_type: str) -> DeviceMesh:
             f"Topology expects world size {topology.world_size}, torch.distributed has {dist.get_world_size()}."
         )
     names = tuple(axis.value for axis in MeshAxis)
-    return init_device_mesh(device_type, topology.mesh_shape, mesh_dim_names=names)
+    if topology.axis_order == "DPT":
+        return init_device_mesh(device_type, topology.mesh_shape, mesh_dim_names=names)
+    from torch.distributed.device_mesh import DeviceMesh
+
+    dp, pp, tp = topology.mesh_shape
+    ranks = torch.tensor(
+        [[[topology.global_rank(dp_rank=d, pp_rank=p, tp_rank=t) for t in range(tp)] for p in range(pp)] for d in range(dp)]
+    )
+    return DeviceMesh(device_type, ranks, mesh_dim_names=names)

@@ -75,7 +75,7 @@ def test_indivisible_batch_is_a_clear_error():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"tensor_parallel_degree": 2}, "tensor_parallel_degree=2` is not supported yet"),
+        ({"tensor_parallel_degree": 0}, "`tensor_parallel_degree` must be an integer >= 1, got 0"),
         ({"microbatches": 0}, "`microbatches` must be an integer >= 1, got 0"),
         ({"pipeline": "1f1b"}, "`pipeline` must be 'interleaved' or 'simple'"),
         ({"pipeline_parallel_degree": 2, "partition": {"h.0": 2}}, r"Stage 2 for 'h.0' is out of range: stages are 0..1"),

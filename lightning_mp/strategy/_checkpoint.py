@@ -28,6 +28,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from lightning_mp.nn._base import sharded_parameter_ranks
+
 __all__ = [
     "consolidate_checkpoint",
     "full_param_groups",
@@ -56,8 +58,24 @@ _OPTIM_OPTIONS = StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict
 
 
 def optimizer_state_dict(model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-    """This rank's optimizer state, keyed by parameter FQN (not by index, so it survives a new layout)."""
-    return get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS)
+    """This rank's optimizer state, keyed by parameter FQN (not by index, so it survives a new layout).
+
+    The state of a tensor-parallel shard gets the suffix ``@tp<rank>``: its value differs between the ranks of a
+    tp group, and DCP would otherwise keep one rank's copy of the shared key.
+    """
+    state = get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS)
+    ranks = sharded_parameter_ranks(model)
+    if not ranks:
+        return state
+    return {_tp_key(key, ranks): value for key, value in state.items()}
+
+
+def _tp_key(key: str, ranks: dict[str, int]) -> str:
+    if key.startswith("state."):
+        fqn = key[len("state.") :].rpartition(".")[0]
+        if fqn in ranks:
+            return f"{key}@tp{ranks[fqn]}"
+    return key
 
 
 def name_checkpoint_folders(callbacks: list[Any]) -> None:
@@ -118,7 +136,8 @@ def load_checkpoint(
         key = f"optimizer_{index}"
         optim_state = {key: optimizer_state_dict(model, optimizer)}
         dcp.load(optim_state, checkpoint_id=path)
-        set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_state[key], options=_OPTIM_OPTIONS)
+        loaded = {k.partition("@tp")[0]: v for k, v in optim_state[key].items()}  # see optimizer_state_dict
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=loaded, options=_OPTIM_OPTIONS)
     return torch.load(path / METADATA_FILENAME, weights_only=weights_only)
 
 

@@ -42,6 +42,7 @@ from lightning_mp.partition import ModelTrace, PartitionPlan, manual_placements
 from lightning_mp.pipeline import MicrobatchSplitError, PipelineEngine, merge_microbatches, split_microbatches
 from lightning_mp.init import delay_param_initialization
 from lightning_mp.strategy import _checkpoint
+from lightning_mp.strategy import _tp
 from lightning_mp.strategy._exit import release_at_exit
 from lightning_mp.strategy._launch import apply_thread_policy, make_launcher
 from lightning_mp.strategy._metrics import sync_metrics_over
@@ -70,6 +71,7 @@ from lightning_mp.strategy._step import (
 )
 from lightning_mp.strategy._zero import local_optimizer, shard_optimizer, sync_hyperparameters_from_local
 from lightning_mp.topology import MeshAxis, Topology, build_device_mesh
+from lightning_mp.tp import ParallelGroups
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -89,7 +91,8 @@ class SMPStrategy(ParallelStrategy):
 
     Args:
         pipeline_parallel_degree: number of pipeline stages (SMP ``partitions``).
-        tensor_parallel_degree: must be 1 for now (tensor parallelism is not built yet).
+        tensor_parallel_degree: ranks per tensor-parallel group; modules marked with ``set_tensor_parallelism`` /
+            ``tensor_parallelism()`` are swapped for distributed ones at setup (see ``strategy/_tp.py``).
         microbatches: microbatches per batch; every tensor's dim 0 must divide by it.
         non_split_inputs: top-level batch entries (dict keys, dataclass/NamedTuple field names, tuple/list
             positions) given whole to every microbatch instead of split (SMP's ``non_split_inputs``).
@@ -119,6 +122,8 @@ class SMPStrategy(ParallelStrategy):
             anyway).
         shard_optimizer_state: ZeRO-1 over the data-parallel group: each dp rank keeps 1/dp of its stage's
             optimizer state (see [Note: sharded optimizer state] in ``_zero.py``).
+        placement_strategy: which axis gets neighbouring ranks: ``"cluster"`` (tp, default), ``"spread"``
+            (replicas) or a permutation of ``D``, ``P``, ``T`` (outermost first).
 
     Raises:
         ValueError: at construction for invalid values (see :class:`lightning_mp.SMPConfig`); at setup for a world
@@ -151,6 +156,7 @@ class SMPStrategy(ParallelStrategy):
         replan_on_resume: bool = False,
         delayed_parameter_initialization: bool = False,
         shard_optimizer_state: bool = False,
+        placement_strategy: str = "cluster",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -183,6 +189,7 @@ class SMPStrategy(ParallelStrategy):
             deterministic_order=deterministic_order,
             delayed_parameter_initialization=delayed_parameter_initialization,
             shard_optimizer_state=shard_optimizer_state,
+            placement_strategy=placement_strategy,
         )
         self._start_method = start_method
         self._save_distributed_checkpoint = save_distributed_checkpoint
@@ -192,6 +199,7 @@ class SMPStrategy(ParallelStrategy):
         self.num_nodes = 1
         self._topology: Topology | None = None
         self._device_mesh: DeviceMesh | None = None
+        self._groups: ParallelGroups | None = None
         self._engine: PipelineEngine | None = None
         self._plan: PartitionPlan | None = None
         self._trace: ModelTrace | None = None
@@ -212,6 +220,13 @@ class SMPStrategy(ParallelStrategy):
         if self._device_mesh is None:
             raise RuntimeError("The device mesh exists after the processes are launched; call `trainer.fit` first.")
         return self._device_mesh
+
+    @property
+    def groups(self) -> ParallelGroups:
+        """Named process groups (``TP``, ``PP``, ``DP``, ``RDP``, ``WORLD``) for ``lightning_mp.allgather`` & co."""
+        if self._groups is None:
+            raise RuntimeError("The process groups exist after the processes are launched; call `trainer.fit` first.")
+        return self._groups
 
     @property
     def partition_plan(self) -> PartitionPlan:
@@ -300,11 +315,13 @@ class SMPStrategy(ParallelStrategy):
             self.global_rank,
             self.config.pipeline_parallel_degree,
             self.config.tensor_parallel_degree,
+            self.config.placement_strategy,
         )
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, timeout=self.config.timeout)
         if self._engine is None:  # a later fit/validate/test in the same processes keeps groups, plan and placement
             self._device_mesh = build_device_mesh(self._topology, self.root_device.type)
+            self._groups = _tp.build_groups(self._topology, self._device_mesh, self.config.timeout)
             self._engine = self._build_engine()
             release_at_exit(self)  # see [Note: exit-time abort] in _exit.py
 
@@ -329,6 +346,7 @@ class SMPStrategy(ParallelStrategy):
         """Drop every object that holds a process group (at exit, after they were destroyed)."""
         self._engine = None
         self._device_mesh = None
+        self._groups = None
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -404,7 +422,7 @@ class SMPStrategy(ParallelStrategy):
             silence_single_replica_sync_advice()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            if self.config.pipeline_parallel_degree > 1:
+            if self.config.pipeline_parallel_degree > 1 or self.config.tensor_parallel_degree > 1:
                 self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm
         self.setup_precision_plugin()
         install_synced_scaler(self.precision_plugin, _group.WORLD)  # see [Note: GradScaler over stages]
@@ -478,7 +496,17 @@ class SMPStrategy(ParallelStrategy):
                 )
                 module.example_input_array = None
         assert self._engine is not None
-        self._engine.install(module, self._plan.stage_of, self._plan.ordered_state)
+        stage_of = self._plan.stage_of
+        if self.config.tensor_parallel_degree > 1:
+            if is_delayed(module):
+                raise ValueError(
+                    "Delayed parameter initialisation does not work with tensor_parallel_degree > 1 yet (the swaps"
+                    " read the original weights). Build the model eagerly, or use tensor_parallel_degree=1."
+                )
+            stage_of, _ = _tp.apply_tensor_parallelism(
+                module, self.groups, stage_of, self.pp_rank, self.global_rank, optimize=self.config.optimize
+            )
+        self._engine.install(module, stage_of, self._plan.ordered_state)
         if is_delayed(module):  # only this stage's tensors are left: allocate and initialise them
             materialize_stage(module, self.root_device, self.pp_rank)
         self._engine.order_gradients(module)
@@ -582,7 +610,8 @@ class SMPStrategy(ParallelStrategy):
                 session.finish(summary)
             else:
                 summary = session.serve()
-        dp_group = self.device_mesh.get_group(MeshAxis.DP.value) if self.topology.pipeline_parallel_degree > 1 else None
+        model_parallel = self.topology.pipeline_parallel_degree * self.topology.tensor_parallel_degree > 1
+        dp_group = self.device_mesh.get_group(MeshAxis.DP.value) if model_parallel else None  # sync over replicas
         replay_logs(module, summary.logs, dp_group)
         return summary
 
@@ -618,29 +647,28 @@ class SMPStrategy(ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """Step after the data-parallel gradient all-reduce (once per optimizer step, after accumulation)."""
-        if self.topology.data_parallel_degree == 1:
+        if self.topology.data_parallel_degree == 1 and self.topology.tensor_parallel_degree == 1:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
         def closure_then_all_reduce() -> Any:
             result = closure()
-            all_reduce_gradients(
-                list(self.model.parameters()),
-                self.device_mesh.get_group(MeshAxis.DP.value),
-                self.topology.data_parallel_degree,
-            )
+            if self.topology.tensor_parallel_degree > 1:
+                _tp.average_replicated_grads(list(self.model.parameters()), self.groups)
+            if self.topology.data_parallel_degree > 1:
+                all_reduce_gradients(
+                    list(self.model.parameters()),
+                    self.device_mesh.get_group(MeshAxis.DP.value),
+                    self.topology.data_parallel_degree,
+                )
             return result
 
         return super().optimizer_step(optimizer, closure_then_all_reduce, model, **kwargs)
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float | int) -> None:
-        """``gradient_clip_algorithm="norm"`` over the whole model: the norm is reduced over pipeline stages."""
+        """``gradient_clip_algorithm="norm"`` over the whole model: reduced over stages and tp shards (``_tp``)."""
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        grads = [p.grad for p in params]
-        local = torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else torch.zeros((), device=self.root_device)
-        squared = (local.to(torch.float64) ** 2).reshape(1)
-        dist.all_reduce(squared, group=self.device_mesh.get_group(MeshAxis.PP.value))
-        total = squared.sqrt().to(local.dtype).reshape(())
-        torch.nn.utils.clip_grads_with_norm_(params, clip_val, total)
+        total = _tp.global_grad_norm(params, self.groups, self.root_device)
+        torch.nn.utils.clip_grads_with_norm_(params, clip_val, total.to(params[0].dtype if params else torch.float32))
 
     # ---- collectives -----------------------------------------------------------------------------------------
 

@@ -1,0 +1,87 @@
+"""``TPModule``: what every distributed module shares (loading shards, saving full tensors).
+
+[Note: full state dicts] A distributed module's ``state_dict`` holds the original keys and *full* shapes: each
+of its sharded parameters (those with a :class:`~lightning_mp.tp.ShardSpec`) is all-gathered over the tp group
+when the state dict is taken, so every rank of the group must take it together (all ranks do when Lightning
+saves a checkpoint). ``load_state_dict`` accepts full tensors and keeps this rank's shard, which is also how a
+swap loads the original module's weights: ``dist_module.load_state_dict(original.state_dict())``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_mp.tp._sharding import TPGroup, shard, shard_spec, unshard
+
+__all__ = ["TPModule", "sharded_parameter_ranks"]
+
+
+class TPModule(nn.Module):
+    """Base of the ``lightning_mp.nn`` modules: holds the :class:`TPGroup` and the state-dict translation.
+
+    A counterpart of a torch layer also derives from it (``DistributedLinear`` is an ``nn.Linear``), so code
+    that dispatches on ``isinstance`` (weight-decay groups, init functions) treats it as the original; the
+    swap never swaps a ``TPModule`` again.
+
+    Args:
+        tp: the tensor-parallel group (handle, rank, degree).
+    """
+
+    _lmp_distributed = True  # the swap leaves these alone
+
+    def __init__(self, tp: TPGroup) -> None:
+        nn.Module.__init__(self)  # not the original class's __init__ (it would allocate full weights)
+        self.tp = tp
+        self._register_state_dict_hook(_gather_full)
+        self.register_load_state_dict_pre_hook(_keep_shard)
+
+    def require_group(self) -> dist.ProcessGroup:
+        """The process group, for forward.
+
+        Raises:
+            RuntimeError: if the module was built without one (sharding maths only).
+        """
+        if self.tp.group is None:
+            raise RuntimeError(f"{type(self).__name__} was built without a process group; it can load shards only.")
+        return self.tp.group
+
+
+def _gather_full(module: TPModule, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    for name, param in module.named_parameters(recurse=False):
+        spec = shard_spec(param)
+        key = prefix + name
+        if spec is None or key not in state or module.tp.size == 1:
+            continue
+        local = state[key].detach().contiguous()
+        pieces = [torch.empty_like(local) for _ in range(module.tp.size)]
+        dist.all_gather(pieces, local, group=module.require_group())
+        state[key] = unshard(pieces, spec)
+
+
+def _keep_shard(module: TPModule, state: dict[str, Any], prefix: str, *args: Any) -> None:
+    for name, param in module.named_parameters(recurse=False):
+        spec = shard_spec(param)
+        key = prefix + name
+        if spec is None or key not in state:
+            continue
+        value = state[key]
+        if value.shape != param.shape and value.size(spec.dim) == spec.full_size:
+            state[key] = shard(value, spec, module.tp.rank, module.tp.size)
+
+
+def sharded_parameter_ranks(model: nn.Module) -> dict[str, int]:
+    """``{parameter FQN: tp rank}`` for every sharded parameter of ``model`` (its value differs between tp ranks).
+
+    Checkpoint code uses it to give per-rank values (e.g. optimizer state of a shard) distinct keys.
+    """
+    ranks = {}
+    for mod_fqn, module in model.named_modules():
+        if isinstance(module, TPModule) and module.tp.size > 1:
+            for name, param in module.named_parameters(recurse=False):
+                if shard_spec(param) is not None:
+                    ranks[f"{mod_fqn}.{name}" if mod_fqn else name] = module.tp.rank
+    return ranks

@@ -1,0 +1,152 @@
+"""Tensor-parallel glue of ``SMPStrategy``: groups, swaps at setup, gradients and the global norm.
+
+[Note: tp in the strategy] The ranks of one tp group read the same batch (the sampler shards over replicas
+only, Megatron's semantics), run the same module calls in the same order (the engine's deterministic order is
+on when tp > 1) and so hold equal replicated activations. Hence:
+
+* replicated parameters (LayerNorms, row biases, position tables) get equal gradients on every tp rank
+  without communication; those marked ``allreduce_grad`` (inputs that differ between tp ranks, e.g.
+  LayerNorms under sequence parallelism: "sum"; transformers' ``replicated_with_grad_allreduce``: "mean") are
+  reduced over the tp group once per optimizer step, before the data-parallel average;
+* data-parallel averaging runs over the replicas of one (stage, tp rank) only (the mesh's ``dp`` axis);
+* the gradient norm counts each logical parameter once: the squares of sharded gradients are summed over the
+  tp group, those of replicated ones are taken once, then both are summed over the pipeline stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+
+from lightning_mp.tp import ParallelGroups, TPGroup, reduce_replicated_grads, shard_spec
+from lightning_mp.tp._hf import translate_hf
+from lightning_mp.tp._swap import SwapReport, swap_modules
+from lightning_mp.topology import MeshAxis, Topology
+
+__all__ = [
+    "apply_tensor_parallelism",
+    "average_replicated_grads",
+    "build_groups",
+    "global_grad_norm",
+    "parameter_counts",
+    "sync_rng_over_tp",
+]
+
+
+def build_groups(topology: Topology, mesh: dist.DeviceMesh, timeout) -> ParallelGroups:
+    """The named groups of this rank; SMP's DP group (one stage, every replica and tp rank) is created here,
+    by every rank for every stage in one order."""
+    own = None
+    for stage in range(topology.pipeline_parallel_degree):
+        ranks = sorted(
+            topology.global_rank(dp_rank=d, pp_rank=stage, tp_rank=t)
+            for d in range(topology.data_parallel_degree)
+            for t in range(topology.tensor_parallel_degree)
+        )
+        group = dist.new_group(ranks, timeout=timeout)
+        if topology.rank in ranks:
+            own = group
+    return ParallelGroups(
+        world=dist.group.WORLD,
+        tp=mesh.get_group(MeshAxis.TP.value),
+        pp=mesh.get_group(MeshAxis.PP.value),
+        dp=own,
+        rdp=mesh.get_group(MeshAxis.DP.value),
+    )
+
+
+def apply_tensor_parallelism(
+    model: nn.Module,
+    groups: ParallelGroups,
+    stage_of: Mapping[str, int],
+    own_stage: int,
+    global_rank: int,
+    optimize: str = "speed",
+) -> tuple[dict[str, int], SwapReport]:
+    """Swap this stage's marked modules; return the stage map of the new module tree and the report.
+
+    Modules inside a swapped one take its stage; ``optimize`` goes to the distributed classes that take it
+    (``"memory"``: sequence parallelism). Warns once on global rank 0 naming unswapped marked modules.
+    """
+    tp = TPGroup.of(groups.tp)
+    report = swap_modules(
+        model,
+        tp,
+        translations=[translate_hf],
+        owns=lambda fqn: stage_of.get(fqn, own_stage) == own_stage,
+        defaults={"optimize": optimize},
+    )
+    if global_rank == 0:
+        message = report.warning()
+        if message:
+            rank_zero_warn(message)
+        local, full = parameter_counts(model)
+        rank_zero_info(
+            f"lightning_mp tensor parallel: swapped {len(report.swapped)} module(s); global rank 0 holds {local:,} of"
+            f" its stage's {full:,} parameters ({local / max(full, 1):.0%}) after the swaps"
+        )
+        if not report.swapped:
+            rank_zero_warn(
+                f"tensor_parallel_degree={tp.size} but no module was swapped on global rank 0's stage: mark modules"
+                " with `lightning_mp.set_tensor_parallelism(module)` or `with lightning_mp.tensor_parallelism():`."
+            )
+    sync_rng_over_tp(groups)
+    new_stage_of: dict[str, int] = {}
+    for fqn, _ in model.named_modules(remove_duplicate=False):
+        ancestor = fqn
+        while ancestor not in stage_of and ancestor:
+            ancestor = ancestor.rpartition(".")[0]
+        new_stage_of[fqn] = stage_of.get(ancestor, own_stage)
+    return new_stage_of, report
+
+
+def sync_rng_over_tp(groups: ParallelGroups) -> None:
+    """Give every rank of the tp group tp rank 0's torch RNG state (CPU, and CUDA when in use).
+
+    Replicated activations must stay equal across the group, so random ops outside the tensor-parallel regions
+    (dropout on embeddings and residuals) must draw the same numbers on every tp rank, even when the ranks were
+    not seeded alike.
+    """
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states.append(torch.cuda.get_rng_state())
+    payload = [states]
+    dist.broadcast_object_list(payload, src=dist.get_global_rank(groups.tp, 0), group=groups.tp)
+    torch.set_rng_state(payload[0][0])
+    if len(payload[0]) > 1:
+        torch.cuda.set_rng_state(payload[0][1])
+
+
+def parameter_counts(model: nn.Module) -> tuple[int, int]:
+    """``(local, full)`` numbers of parameter elements this rank holds and the logical model (its stage) has."""
+    local = full = 0
+    for p in model.parameters():
+        spec = shard_spec(p)
+        local += p.numel()
+        full += p.numel() if spec is None else p.numel() // p.size(spec.dim) * spec.full_size
+    return local, full
+
+
+def average_replicated_grads(params: list[nn.Parameter], groups: ParallelGroups) -> None:
+    """Reduce over the tp group the gradients of parameters marked ``allreduce_grad`` ("mean" or "sum")."""
+    reduce_replicated_grads(params, groups.tp)
+
+
+def global_grad_norm(params: list[nn.Parameter], groups: ParallelGroups, device: torch.device) -> torch.Tensor:
+    """The 2-norm of the whole model's gradient, each logical parameter counted once (see the Note)."""
+    squares = torch.zeros(2, dtype=torch.float64, device=device)  # (sharded, replicated)
+    for p in params:
+        if p.grad is not None:
+            squares[0 if shard_spec(p) is not None else 1] += p.grad.detach().to(torch.float64).pow(2).sum()
+    tp_size = dist.get_world_size(groups.tp)
+    if tp_size > 1:
+        dist.all_reduce(squares, group=groups.tp)
+        squares[1] /= tp_size
+    total = squares.sum().reshape(1)
+    if dist.get_world_size(groups.pp) > 1:
+        dist.all_reduce(total, group=groups.pp)
+    return total.sqrt().reshape(())
