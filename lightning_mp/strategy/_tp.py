@@ -86,8 +86,9 @@ def apply_tensor_parallelism(
             rank_zero_warn(message)
         local, full = parameter_counts(model)
         rank_zero_info(
-            f"lightning_mp tensor parallel: swapped {len(report.swapped)} module(s); global rank 0 holds {local:,} of"
-            f" its stage's {full:,} parameters ({local / max(full, 1):.0%}) after the swaps"
+            f"lightning_mp tensor parallel: swapped {len(report.swapped)} module(s) on global rank 0's stage; the"
+            f" rank holds {local:,} parameter elements where it held {full:,} ({local / max(full, 1):.0%}; with"
+            " pipeline stages, the other stages' parameters are released right after this)"
         )
         if not report.swapped:
             rank_zero_warn(
