@@ -326,11 +326,11 @@ def test_sharded_optimizer_saves_through_dcp_and_resumes(tmp_path, pp, dp):
 
     first = _fit(str(tmp_path / "first"), smp(), pp * dp, checkpoint_dir=str(tmp_path / "ck"))
     assert all(r["sharded"] and 0 < r["state_params"] < len(r["params"]) for r in first)
-    keys = FileSystemReader(str(tmp_path / "ck" / "last.ckpt")).read_metadata().state_dict_metadata
+    keys = FileSystemReader(str(tmp_path / "ck" / "last")).read_metadata().state_dict_metadata
     for name in reference["params"]:  # every stage's and every shard's state was saved
         fqn = name.removeprefix("net.")
         assert any(k.startswith("optimizer_0.state.") and fqn in k and k.endswith("exp_avg") for k in keys), fqn
-    ckpt = str(tmp_path / "ck" / "last.ckpt")
+    ckpt = str(tmp_path / "ck" / "last")
     resumed = _fit(str(tmp_path / "second"), smp(), pp * dp, max_steps=2 * STEPS, ckpt_path=ckpt)
     _assert_matches(resumed, reference, pp, dp)
 

@@ -220,7 +220,7 @@ def test_checkpoint_resume_at_tp2_matches_one_process(tmp_path):
             os.makedirs(tmp_path / name / run)
         _fit_resume(str(tmp_path / name / "first"), str(ckpt), strategy_fn, devices)
         finals[name] = _fit_resume(
-            str(tmp_path / name / "resumed"), str(ckpt), strategy_fn, devices, ckpt_path=str(ckpt / "last.ckpt"),
+            str(tmp_path / name / "resumed"), str(ckpt), strategy_fn, devices, ckpt_path=str(ckpt / ("last.ckpt" if strategy_fn is None else "last")),  # smp: a DCP folder
             steps=2 * STEPS,
         )
     reference = finals["ref"][0]
