@@ -163,9 +163,13 @@ class GradientStash:
         self._previous: dict[nn.Parameter, torch.Tensor | None] = {}
         self._pipeline: dict[nn.Parameter, torch.Tensor] = {}
 
-    def begin(self, params: Iterable[nn.Parameter]) -> None:
-        """Before the pipelined step: set gradients aside so the step's own gradients start from zero."""
-        self._previous = {p: p.grad for p in params}
+    def begin(self, params: Iterable[nn.Parameter], keep_previous: bool = True) -> None:
+        """Before the pipelined step: set gradients aside so the step's own gradients start from zero.
+
+        ``keep_previous=False`` (the first batch of an accumulation window, whose old gradients Lightning's
+        ``zero_grad`` is about to drop anyway) frees them now instead, so they do not stay alive through the step.
+        """
+        self._previous = {p: p.grad if keep_previous else None for p in params}
         self._pipeline = {}
         for p in self._previous:
             p.grad = None

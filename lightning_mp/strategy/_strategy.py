@@ -547,7 +547,8 @@ class SMPStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = self.lightning_module.trainer
         params = list(self.model.parameters())
-        self._grads.begin(params)
+        first_in_window = trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
+        self._grads.begin(params, keep_previous=not first_in_window)
         try:
             summary = self._pipelined_step(
                 "training_step",
