@@ -48,7 +48,8 @@ def _worker(strategy_name: str, args: argparse.Namespace, out_file: str) -> None
         def __init__(self) -> None:
             super().__init__()
             dim = args.dim
-            self.net = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(dim, dim), nn.GELU())], nn.Linear(dim, 1))
+            blocks = [m for _ in range(4) for m in (nn.Linear(dim, dim), nn.GELU())]
+            self.net = nn.Sequential(*blocks, nn.Linear(dim, 1))
 
         def training_step(self, batch, batch_idx):
             x, y = batch
