@@ -48,7 +48,8 @@ def _worker(strategy_name: str, args: argparse.Namespace, out_file: str) -> None
         def __init__(self) -> None:
             super().__init__()
             dim = args.dim
-            self.net = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(dim, dim), nn.GELU())], nn.Linear(dim, 1))
+            blocks = [m for _ in range(4) for m in (nn.Linear(dim, dim), nn.GELU())]
+            self.net = nn.Sequential(*blocks, nn.Linear(dim, 1))
 
         def training_step(self, batch, batch_idx):
             x, y = batch
@@ -107,13 +108,13 @@ def main() -> None:
             results[name].append(_run(name, args))
     print(f"MLP 4x{args.dim} + head, batch {args.batch_size} per process, 2 CPU processes, {os.cpu_count()} cores,"
           f" {args.steps} timed steps after {args.warmup}, {args.rounds} rounds")
-    print(f"{'strategy':<18}{'steps/s (median)':>18}{'per round':>28}{'threads':>9}")
+    print(f"{'strategy':<18}{'steps/s (median)':>18}{'threads':>9}  per round")
     medians = {}
     for name, rounds in results.items():
         medians[name] = statistics.median(r["steps_per_s"] for r in rounds)
         label = "ddp" if name == "ddp" else "smp pp=1 dp=2"
         per_round = ", ".join(f"{r['steps_per_s']:.2f}" for r in rounds)
-        print(f"{label:<18}{medians[name]:>18.2f}{per_round:>28}{rounds[0]['threads']:>9}")
+        print(f"{label:<18}{medians[name]:>18.2f}{rounds[0]['threads']:>9}  {per_round}")
     print(f"ratio smp / ddp: {medians['smp'] / medians['ddp']:.3f} (goal >= 0.95)")
 
 

@@ -105,7 +105,8 @@ class Classifier(L.LightningModule):
     def _data(n: int, seed: int) -> TensorDataset:
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(n, 8, generator=g)
-        return TensorDataset(x, torch.randint(0, NUM_CLASSES, (n,), generator=g), x[:, 0] + 0.1 * torch.randn(n, generator=g))
+        y = torch.randint(0, NUM_CLASSES, (n,), generator=g)
+        return TensorDataset(x, y, x[:, 0] + 0.1 * torch.randn(n, generator=g))
 
     def train_dataloader(self):
         return DataLoader(self._data(TRAIN_SIZE, 0), batch_size=BATCH, shuffle=False)
@@ -196,7 +197,7 @@ def test_metrics_losses_and_data_order_match_ddp(tmp_path, capfd):
     expected_summary = torch.load(tmp_path / "one" / "summary0.pt")
     assert expected_summary["total"] > 0 and expected_summary["layers"]["net"] == expected_summary["total"]
     assert torch.load(tmp_path / "pp2" / "summary0.pt") == expected_summary, "rank 0 summarizes every stage"
-    expected_order = [b for _, (b, *_) in zip(range(TRAIN_SIZE // BATCH), DataLoader(Classifier._data(TRAIN_SIZE, 0), batch_size=BATCH))]
+    expected_order = [x for x, _, _ in DataLoader(Classifier._data(TRAIN_SIZE, 0), batch_size=BATCH)]
     for step, batch in enumerate(expected_order):
         torch.testing.assert_close(one[0]["batches"][step], batch, rtol=0, atol=0, msg="one device keeps the order")
     for rank in range(2):
@@ -243,7 +244,8 @@ def _assert_same_checkpoint(got: dict, expected: dict) -> None:
     assert sorted(got_optim["state"]) == sorted(expected_optim["state"])
     for index, state in expected_optim["state"].items():
         for key, value in state.items():
-            torch.testing.assert_close(got_optim["state"][index][key], value, rtol=1e-5, atol=1e-6, msg=f"{index}.{key}")
+            got_value = got_optim["state"][index][key]
+            torch.testing.assert_close(got_value, value, rtol=1e-5, atol=1e-6, msg=f"{index}.{key}")
     assert got["loops"] == expected["loops"]
 
 
@@ -346,7 +348,8 @@ def test_precision_matches_one_device(tmp_path, precision):
         for result in results:
             for name, value in result["params"].items():
                 assert value.dtype == reference["params"][name].dtype, name
-                torch.testing.assert_close(value, reference["params"][name], rtol=2e-2, atol=1e-2, msg=f"pp={pp} {name}")
+                expected = reference["params"][name]
+                torch.testing.assert_close(value, expected, rtol=2e-2, atol=1e-2, msg=f"pp={pp} {name}")
 
 
 def test_setup_error_raised_on_every_rank_prints_once():
@@ -388,8 +391,8 @@ def test_stage_optimizer_states_consolidate_to_one_devices_state_dict():
         return key.split(".", 1)[1].startswith(prefixes)
 
     flats = [{k: v for k, v in flat.items() if owned(k, prefixes)} for prefixes in stages]
-    groups = [[[n for n in group if n.startswith(prefixes)] for group in _checkpoint.param_groups_by_fqn(model, optimizer)]
-              for prefixes in stages]
+    whole = _checkpoint.param_groups_by_fqn(model, optimizer)
+    groups = [[[n for n in group if n.startswith(prefixes)] for group in whole] for prefixes in stages]
     native = _checkpoint._native_optimizer_state(flats, groups, order)
     assert native["param_groups"] == expected["param_groups"]
     assert sorted(native["state"]) == sorted(expected["state"])

@@ -1,9 +1,9 @@
 """Manual placement by construction: ``with lightning_mp.partition(k):`` around module creation.
 
-Matches SMP's ``with smp.partition(k):`` (the SageMaker model parallelism library's Python API): every ``nn.Module`` constructed
-inside the block (and so every submodule it builds) is marked for stage ``k``; the innermost block wins. The
-marks are read once the model is complete, by :func:`manual_placements`, and join the strategy's
-``partition={fqn: stage}`` map (which wins for the same FQN); automatic partitioning fills the rest.
+Matches SMP's ``with smp.partition(k):`` (the SageMaker model parallelism library's Python API): every
+``nn.Module`` constructed inside the block (and so every submodule it builds) is marked for stage ``k``; the
+innermost block wins. The marks are read once the model is complete, by :func:`manual_placements`, and join the
+strategy's ``partition={fqn: stage}`` map (which wins for the same FQN); automatic partitioning fills the rest.
 """
 
 from __future__ import annotations

@@ -211,7 +211,9 @@ def consolidate_checkpoint(
     return full
 
 
-def _native_optimizer_state(flat_states: list[dict[str, Any]], groups: list[list[list[str]]], param_order: list[str]) -> dict:
+def _native_optimizer_state(
+    flat_states: list[dict[str, Any]], groups: list[list[list[str]]], param_order: list[str]
+) -> dict[str, Any]:
     """``optimizer.state_dict()`` of the whole model from every stage's flattened, FQN-keyed state."""
     state: dict[str, dict[str, Any]] = {}
     hyper: dict[str, dict[str, Any]] = {}

@@ -77,7 +77,9 @@ class MetricCalls:
                     f"self.log({name!r}, metric) got a torchmetrics Metric that is not an attribute of the"
                     " LightningModule; assign it in `__init__` (e.g. `self.acc = Accuracy(...)`) so every stage has it."
                 )
-            forward_value = torch.stack([v.to(torch.float64) for v in values]).mean(0).to(values[0].dtype) if values else None
+            forward_value = None
+            if values:
+                forward_value = torch.stack([v.to(torch.float64) for v in values]).mean(0).to(values[0].dtype)
             state = {key: _detach_cpu(getattr(metric, key)) for key in metric._defaults}
             out.append((name, MetricLog(names[id(metric)], forward_value, state, metric._update_count), args, kwargs))
         return out

@@ -10,6 +10,7 @@ size are then those of the whole model, as under ``ddp``.
 from __future__ import annotations
 
 import warnings
+from functools import partial
 from typing import Any
 
 import torch.distributed as dist
@@ -19,7 +20,12 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch import nn
 from typing_extensions import override
 
-__all__ = ["WholeModelSummary", "gather_parameter_counts", "silence_single_replica_sync_advice", "summarize_whole_model"]
+__all__ = [
+    "WholeModelSummary",
+    "gather_parameter_counts",
+    "silence_single_replica_sync_advice",
+    "summarize_whole_model",
+]
 
 Counts = dict[str, tuple[int, int]]  # module FQN -> (parameter elements it holds itself, of which trainable)
 
@@ -79,9 +85,11 @@ def summarize_whole_model(callbacks: list[Any], counts: Counts) -> None:
     """Make every ``ModelSummary`` callback (and ``RichModelSummary``) summarize with ``counts``."""
     for callback in callbacks:
         if isinstance(callback, ModelSummaryCallback):
-            callback._summary = lambda trainer, pl_module, cb=callback: WholeModelSummary(  # type: ignore[method-assign]
-                pl_module, counts, max_depth=cb._max_depth
-            )
+            callback._summary = partial(_whole_model_summary, counts=counts, max_depth=callback._max_depth)
+
+
+def _whole_model_summary(trainer: Any, pl_module: Any, *, counts: Counts, max_depth: int) -> WholeModelSummary:
+    return WholeModelSummary(pl_module, counts, max_depth=max_depth)
 
 
 def silence_single_replica_sync_advice() -> None:
