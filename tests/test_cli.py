@@ -71,8 +71,9 @@ def test_gpt_pp2_short_fit(tmp_path):
     assert len(train) == 4 and len(val) == 1
     assert all(0.0 < loss < 6.0 for loss in train + val)
     assert len(list(tmp_path.rglob("partition.png"))) == 1, "the config's PartitionSummary drew the chart"
-    checkpoints = list(tmp_path.rglob("*.ckpt"))
-    assert checkpoints and (checkpoints[0] / "meta.pt").is_file()
+    checkpoints = [p for p in tmp_path.rglob("checkpoints/*") if (p / "meta.pt").is_file()]
+    assert checkpoints, "a DCP checkpoint folder with Lightning's metadata"
+    assert not list(tmp_path.rglob("*.ckpt")), "DCP folders are not named like checkpoint files"
 
 
 def test_gpt_pp2_timeline_config_writes_the_trace_and_prints_the_bubble(tmp_path):
