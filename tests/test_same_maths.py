@@ -10,7 +10,8 @@ Tier 2 (``Trainer.fit`` on 2-4 forked CPU processes) against plain Lightning on 
   (gradient accumulation), at microbatches 2 and 4, both schedules;
 - the trace follows the training path: ``nn.TransformerEncoder`` with its defaults and a padding mask;
 - aliases (``self.lin1 = self.lin0``), auto and manual; a never-called branch module at pp=3;
-- errors that point the right way: an unsplittable mask, a remote module called from a callback hook.
+- errors that point the right way: an unsplittable mask, a remote module called from a callback hook;
+- dropout under activation checkpointing at pp=2: the recompute draws the forward's masks (bitwise equal).
 """
 
 from __future__ import annotations
@@ -451,3 +452,57 @@ def test_remote_module_called_from_a_callback_hook_is_a_clear_error():
                         enable_progress_bar=False, use_distributed_sampler=False, callbacks=[CallsRemoteInHook()])
     with pytest.raises(Exception, match="only be called inside a pipelined step"):
         trainer.fit(Lit("padded"))
+
+
+# ---- 7. dropout under activation checkpointing ------------------------------------------------------------------
+
+
+class CountAttentionCalls(L.Callback):
+    """Counts the calls of this stage's attention modules (forwards and recomputes) and what was checkpointed."""
+
+    def __init__(self, out_dir: str, checkpointing: L.Callback | None = None) -> None:
+        self.out_dir, self.checkpointing, self.calls = out_dir, checkpointing, 0
+
+    def on_fit_start(self, trainer, pl_module):  # after ActivationCheckpointing (earlier in the callback list)
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+
+        engine = trainer.strategy.pipeline_engine
+        for fqn, module in pl_module.named_modules():
+            if isinstance(module, GPT2Attention) and engine.stage_of(fqn) == engine.stage:
+                module.register_forward_pre_hook(self._count)
+
+    def _count(self, module, args):
+        self.calls += 1
+
+    def on_train_end(self, trainer, pl_module):
+        applied = list(self.checkpointing.applied) if self.checkpointing is not None else []
+        torch.save({"calls": self.calls, "applied": applied},
+                   os.path.join(self.out_dir, f"calls{trainer.global_rank}.pt"))
+
+
+def test_dropout_under_activation_checkpointing_recomputes_the_forward_masks(tmp_path):
+    """pp=2, 4 microbatches, dropout GPT-2: checkpointing the blocks changes nothing, bitwise.
+
+    Bitwise, not to a tolerance: the recompute runs the same ops on the same inputs with the same masks, so the
+    gradients are the same bits, and they are summed in microbatch order either way ([Note: ordered gradient
+    accumulation]). Different masks in the recompute would give gradients that do not belong to the forward.
+    """
+    counts = {}
+    results = {}
+    for case in ("plain", "checkpointed"):
+        out_dir = str(tmp_path / case)
+        os.makedirs(out_dir, exist_ok=True)
+        checkpointing = lightning_mp.ActivationCheckpointing(["GPT2Block"]) if case == "checkpointed" else None
+        callbacks = [checkpointing] if checkpointing is not None else []
+        callbacks.append(CountAttentionCalls(out_dir, checkpointing))
+        results[case] = fit(out_dir, "gpt2", smp(2, 4), devices=2, seed=7, callbacks=callbacks)
+        counts[case] = [torch.load(os.path.join(out_dir, f"calls{r}.pt")) for r in range(2)]
+    plain, checkpointed = results["plain"], results["checkpointed"]
+    for rank in range(2):  # every stage checkpoints its own blocks, and recomputes each block once per microbatch
+        blocks = {k.split(".attn.")[0] for k in checkpointed[rank]["state"] if ".attn." in k}
+        assert blocks and sorted(counts["checkpointed"][rank]["applied"]) == sorted(blocks), rank
+        assert counts["plain"][rank]["calls"] == STEPS * 4 * len(blocks), rank
+        assert counts["checkpointed"][rank]["calls"] == 2 * counts["plain"][rank]["calls"], rank
+    assert checkpointed[0]["losses"] == plain[0]["losses"]
+    assert checkpointed[0]["logged"] == plain[0]["logged"]
+    assert_state_equal(merged_state(checkpointed), merged_state(plain), exact=True)
