@@ -506,3 +506,43 @@ def test_dropout_under_activation_checkpointing_recomputes_the_forward_masks(tmp
     assert checkpointed[0]["losses"] == plain[0]["losses"]
     assert checkpointed[0]["logged"] == plain[0]["logged"]
     assert_state_equal(merged_state(checkpointed), merged_state(plain), exact=True)
+
+
+class SharedDropoutBlock(nn.Module):
+    """A residual block whose dropout sits in a keyed child (a child of an ``nn.Sequential`` with parameters)."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.ff = nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Dropout(0.3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.ff(x)
+
+
+class SharedBlockNet(nn.Module):
+    """One block applied twice per forward (weight sharing, as in ALBERT), then a head."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, dim)
+        self.shared = SharedDropoutBlock(dim)
+        self.other = SharedDropoutBlock(dim)
+        self.out = nn.Linear(dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.shared(self.shared(self.inp(x)))
+        return self.out(self.other(h)).squeeze(-1)
+
+
+SPECS["shared"] = Spec(SharedBlockNet, _vector_batch, _regress_step)
+
+
+def test_checkpointed_module_called_twice_recomputes_each_call_with_its_own_masks(tmp_path):
+    """Backward recomputes the second call of ``shared`` first: it must draw the second forward call's masks."""
+    plain = fit(str(tmp_path / "plain"), "shared", smp(2, 2, partition={"net.shared": 0, "net.other": 1}),
+                devices=2, seed=3)
+    checkpointing = lightning_mp.ActivationCheckpointing(["net.shared", "net.other"])
+    checkpointed = fit(str(tmp_path / "ckpt"), "shared", smp(2, 2, partition={"net.shared": 0, "net.other": 1}),
+                       devices=2, seed=3, callbacks=[checkpointing])
+    assert checkpointed[0]["losses"] == plain[0]["losses"]
+    assert_state_equal(merged_state(checkpointed), merged_state(plain), exact=True)
