@@ -546,3 +546,27 @@ def test_checkpointed_module_called_twice_recomputes_each_call_with_its_own_mask
                        devices=2, seed=3, callbacks=[checkpointing])
     assert checkpointed[0]["losses"] == plain[0]["losses"]
     assert_state_equal(merged_state(checkpointed), merged_state(plain), exact=True)
+
+
+# ---- 8. a microbatch without tokens -----------------------------------------------------------------------------
+
+
+def _padded_batch_one_empty(n: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """As ``_padded_batch``, but rows 2 and 3 (microbatch 1 of 4) have no target: their mean loss is NaN."""
+    ids, targets = _padded_batch(n, seed)
+    targets[2:4] = -100
+    return ids, targets
+
+
+SPECS["padded_empty"] = Spec(PaddedLM, _padded_batch_one_empty, _padded_step)
+
+
+def test_a_microbatch_with_no_tokens_counts_for_nothing_in_loss_logs_and_gradients(tmp_path):
+    """``num_tokens == 0``: its loss (a mean over nothing, NaN) must weigh nothing, in the logged value too."""
+    reference = fit(str(tmp_path / "ref"), "padded_empty")[0]
+    assert all(v == v for v in reference["logged"]), "one process on the batch: finite"
+    results = fit(str(tmp_path / "smp"), "padded_empty", smp(2, 4), devices=2)
+    for result in results:
+        torch.testing.assert_close(result["losses"], reference["losses"], **TOL)
+        torch.testing.assert_close(result["logged"], reference["logged"], **TOL)
+    assert_state_equal(merged_state(results), reference["state"])
