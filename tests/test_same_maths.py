@@ -570,3 +570,11 @@ def test_a_microbatch_with_no_tokens_counts_for_nothing_in_loss_logs_and_gradien
         torch.testing.assert_close(result["losses"], reference["losses"], **TOL)
         torch.testing.assert_close(result["logged"], reference["logged"], **TOL)
     assert_state_equal(merged_state(results), reference["state"])
+
+
+def test_token_weighted_loss_with_gradient_accumulation_equals_one_process(tmp_path):
+    """``accumulate_grad_batches=2``: each batch is normalised by its own token count, as one process does."""
+    reference = fit(str(tmp_path / "ref"), "padded", accumulate_grad_batches=2)[0]
+    results = fit(str(tmp_path / "smp"), "padded", smp(2, 4), devices=2, accumulate_grad_batches=2)
+    torch.testing.assert_close(results[0]["losses"], reference["losses"], **TOL)
+    assert_state_equal(merged_state(results), reference["state"])
