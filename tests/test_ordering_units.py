@@ -40,6 +40,26 @@ def test_a_keyed_call_draws_its_own_stream_and_the_caller_continues():
     rng.end_step()
 
 
+def test_recomputes_in_reverse_order_draw_the_forward_calls_they_repeat():
+    """A checkpointed block run twice per microbatch: backward recomputes its second call first."""
+    rng = MicrobatchRNG(seed=3)
+    rng.start_step(("training_step", 0))
+    drawn, regions = [], []
+    for _ in range(2):  # forward: the block's call, then its keyed child's (a dropout in a Sequential)
+        rng.enter(0, "block")
+        regions.append(torch.get_rng_state())  # what the checkpoint saves and restores for the recompute
+        rng.enter(0, "block.ff.2")
+        drawn.append(torch.rand(3))
+        rng.exit()
+        rng.exit()
+    for index in (1, 0):  # backward: the second call's recompute first
+        torch.set_rng_state(regions[index])
+        rng.enter(0, "block.ff.2", recompute=True)
+        assert torch.equal(torch.rand(3), drawn[index]), index
+        rng.exit()
+    rng.end_step()
+
+
 def test_outside_a_step_the_generator_is_left_as_the_step_found_it():
     rng = MicrobatchRNG(seed=3)
     torch.manual_seed(5)

@@ -10,12 +10,14 @@ Tier 2 (``Trainer.fit`` on 2-4 forked CPU processes) against plain Lightning on 
   (gradient accumulation), at microbatches 2 and 4, both schedules;
 - the trace follows the training path: ``nn.TransformerEncoder`` with its defaults and a padding mask;
 - aliases (``self.lin1 = self.lin0``), auto and manual; a never-called branch module at pp=3;
-- errors that point the right way: an unsplittable mask, a remote module called from a callback hook.
+- errors that point the right way: an unsplittable mask, a remote module called from a callback hook;
+- dropout under activation checkpointing at pp=2: the recompute draws the forward's masks (bitwise equal).
 """
 
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -453,3 +455,131 @@ def test_remote_module_called_from_a_callback_hook_is_a_clear_error():
                         enable_progress_bar=False, use_distributed_sampler=False, callbacks=[CallsRemoteInHook()])
     with pytest.raises(Exception, match="only be called inside a pipelined step"):
         trainer.fit(Lit("padded"))
+
+
+# ---- 7. dropout under activation checkpointing ------------------------------------------------------------------
+
+
+class CountAttentionCalls(L.Callback):
+    """Counts the calls of this stage's attention modules (forwards and recomputes) and what was checkpointed."""
+
+    def __init__(self, out_dir: str, checkpointing: L.Callback | None = None) -> None:
+        self.out_dir, self.checkpointing, self.calls = out_dir, checkpointing, 0
+
+    def on_fit_start(self, trainer, pl_module):  # after ActivationCheckpointing (earlier in the callback list)
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+
+        engine = trainer.strategy.pipeline_engine
+        for fqn, module in pl_module.named_modules():
+            if isinstance(module, GPT2Attention) and engine.stage_of(fqn) == engine.stage:
+                module.register_forward_pre_hook(self._count)
+
+    def _count(self, module, args):
+        self.calls += 1
+
+    def on_train_end(self, trainer, pl_module):
+        applied = list(self.checkpointing.applied) if self.checkpointing is not None else []
+        torch.save({"calls": self.calls, "applied": applied},
+                   os.path.join(self.out_dir, f"calls{trainer.global_rank}.pt"))
+
+
+def test_dropout_under_activation_checkpointing_recomputes_the_forward_masks(tmp_path):
+    """pp=2, 4 microbatches, dropout GPT-2: checkpointing the blocks changes nothing, bitwise.
+
+    Bitwise, not to a tolerance: the recompute runs the same ops on the same inputs with the same masks, so the
+    gradients are the same bits, and they are summed in microbatch order either way ([Note: ordered gradient
+    accumulation]). Different masks in the recompute would give gradients that do not belong to the forward.
+    """
+    counts = {}
+    results = {}
+    for case in ("plain", "checkpointed"):
+        out_dir = str(tmp_path / case)
+        os.makedirs(out_dir, exist_ok=True)
+        checkpointing = lightning_mp.ActivationCheckpointing(["GPT2Block"]) if case == "checkpointed" else None
+        callbacks = [checkpointing] if checkpointing is not None else []
+        callbacks.append(CountAttentionCalls(out_dir, checkpointing))
+        results[case] = fit(out_dir, "gpt2", smp(2, 4), devices=2, seed=7, callbacks=callbacks)
+        counts[case] = [torch.load(os.path.join(out_dir, f"calls{r}.pt")) for r in range(2)]
+    plain, checkpointed = results["plain"], results["checkpointed"]
+    for rank in range(2):  # every stage checkpoints its own blocks, and recomputes each block once per microbatch
+        blocks = {k.split(".attn.")[0] for k in checkpointed[rank]["state"] if ".attn." in k}
+        assert blocks and sorted(counts["checkpointed"][rank]["applied"]) == sorted(blocks), rank
+        assert counts["plain"][rank]["calls"] == STEPS * 4 * len(blocks), rank
+        assert counts["checkpointed"][rank]["calls"] == 2 * counts["plain"][rank]["calls"], rank
+    assert checkpointed[0]["losses"] == plain[0]["losses"]
+    assert checkpointed[0]["logged"] == plain[0]["logged"]
+    assert_state_equal(merged_state(checkpointed), merged_state(plain), exact=True)
+
+
+class SharedDropoutBlock(nn.Module):
+    """A residual block whose dropout sits in a keyed child (a child of an ``nn.Sequential`` with parameters)."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.ff = nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Dropout(0.3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.ff(x)
+
+
+class SharedBlockNet(nn.Module):
+    """One block applied twice per forward (weight sharing, as in ALBERT), then a head."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, dim)
+        self.shared = SharedDropoutBlock(dim)
+        self.other = SharedDropoutBlock(dim)
+        self.out = nn.Linear(dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.shared(self.shared(self.inp(x)))
+        return self.out(self.other(h)).squeeze(-1)
+
+
+SPECS["shared"] = Spec(SharedBlockNet, _vector_batch, _regress_step)
+
+
+def test_checkpointed_module_called_twice_recomputes_each_call_with_its_own_masks(tmp_path):
+    """Backward recomputes the second call of ``shared`` first: it must draw the second forward call's masks."""
+    plain = fit(str(tmp_path / "plain"), "shared", smp(2, 2, partition={"net.shared": 0, "net.other": 1}),
+                devices=2, seed=3)
+    checkpointing = lightning_mp.ActivationCheckpointing(["net.shared", "net.other"])
+    checkpointed = fit(str(tmp_path / "ckpt"), "shared", smp(2, 2, partition={"net.shared": 0, "net.other": 1}),
+                       devices=2, seed=3, callbacks=[checkpointing])
+    assert checkpointed[0]["losses"] == plain[0]["losses"]
+    assert_state_equal(merged_state(checkpointed), merged_state(plain), exact=True)
+
+
+# ---- 8. a microbatch without tokens -----------------------------------------------------------------------------
+
+
+def _padded_batch_one_empty(n: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """As ``_padded_batch``, but rows 2 and 3 (microbatch 1 of 4) have no target: their mean loss is NaN."""
+    ids, targets = _padded_batch(n, seed)
+    targets[2:4] = -100
+    return ids, targets
+
+
+SPECS["padded_empty"] = Spec(PaddedLM, _padded_batch_one_empty, _padded_step)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "simple"])
+def test_a_microbatch_with_no_tokens_counts_for_nothing_in_loss_logs_and_gradients(tmp_path, schedule):
+    """``num_tokens == 0``: its loss (a mean over nothing, NaN) must weigh nothing, in the logged value too; and
+    under "simple" the wave's other backwards must not wait for its (skipped) backward."""
+    reference = fit(str(tmp_path / "ref"), "padded_empty")[0]
+    assert all(v == v for v in reference["logged"]), "one process on the batch: finite"
+    results = fit(str(tmp_path / "smp"), "padded_empty", smp(2, 4, pipeline=schedule, timeout=timedelta(seconds=60)), devices=2)
+    for result in results:
+        torch.testing.assert_close(result["losses"], reference["losses"], **TOL)
+        torch.testing.assert_close(result["logged"], reference["logged"], **TOL)
+    assert_state_equal(merged_state(results), reference["state"])
+
+
+def test_token_weighted_loss_with_gradient_accumulation_equals_one_process(tmp_path):
+    """``accumulate_grad_batches=2``: each batch is normalised by its own token count, as one process does."""
+    reference = fit(str(tmp_path / "ref"), "padded", accumulate_grad_batches=2)[0]
+    results = fit(str(tmp_path / "smp"), "padded", smp(2, 4), devices=2, accumulate_grad_batches=2)
+    torch.testing.assert_close(results[0]["losses"], reference["losses"], **TOL)
+    assert_state_equal(merged_state(results), reference["state"])

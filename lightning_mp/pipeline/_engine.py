@@ -682,6 +682,9 @@ class PipelineSession:
                     outputs[index] = step_fn(microbatches[index], index)
                     loss = loss_fn(outputs[index]) if backward else None
                     if loss is None:
+                        if backward and forwards_done is not None:  # no backward here (num_tokens == 0): the
+                            self.token.release()  # wave's other backwards still wait for this forward to arrive
+                            forwards_done.arrive_and_wait()
                         return
                     if forwards_done is not None:  # "simple": every forward of the wave first
                         self.token.release()

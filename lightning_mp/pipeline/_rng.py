@@ -10,8 +10,9 @@ Which stream a draw comes from must not depend on where the work runs either, or
 pp=1. The unit that can move between stages is a call of a module with parameters, so every such call (and every
 call of a direct child of an ``nn.Sequential``, which a Sequential run may send elsewhere) draws from its own
 stream, seeded from ``(seed, step, microbatch, module FQN, n)`` for the n-th call of that module by that
-microbatch (a recompute in backward, by activation checkpointing, counts its own calls, so it draws what the
-forward drew); on return, the caller's stream continues where it was (:meth:`enter` / :meth:`exit`). The code of a
+microbatch (a recompute in backward, by activation checkpointing, draws what the forward call it repeats drew:
+it finds that call by its caller's random state, which the checkpoint restored, as backward recomputes the calls
+of a module that runs twice per microbatch in reverse order); on return, the caller's stream continues where it was (:meth:`enter` / :meth:`exit`). The code of a
 step outside such calls draws from the stream ``(seed, step, microbatch, "step")``. The keys are the same on every
 layout, so the same seed and microbatch count give the same random numbers at any pipeline degree, and on every
 run. They are not those of one process on the full batch (which draws the whole batch's mask at once); a
@@ -42,6 +43,13 @@ def _get_states() -> list[torch.Tensor]:
     return [g.get_state() for g in _generators()]
 
 
+def _fingerprint(states: list[torch.Tensor]) -> bytes:
+    digest = hashlib.blake2b(digest_size=16)
+    for state in states:
+        digest.update(state.numpy().tobytes())
+    return digest.digest()
+
+
 def _set_states(states: list[torch.Tensor]) -> None:
     for generator, state in zip(_generators(), states):
         generator.set_state(state)
@@ -61,6 +69,7 @@ class MicrobatchRNG:
         self._step: Hashable | None = None
         self._outside: list[torch.Tensor] | None = None
         self._counts: dict[tuple, int] = {}
+        self._forward_calls: dict[tuple, list[int]] = {}  # (microbatch, name, caller's state) -> forward counts
         self._generation = 0  # one per step: a thread's saved states of an earlier step are never restored
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -74,6 +83,7 @@ class MicrobatchRNG:
         self._outside = _get_states()
         self._step = step
         self._counts = {}
+        self._forward_calls = {}
         self._generation += 1
 
     def end_step(self) -> None:
@@ -86,10 +96,19 @@ class MicrobatchRNG:
         text = repr((self.seed, self._step, microbatch, name, count)).encode()
         return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") & ((1 << 63) - 1)
 
-    def _seed_stream(self, microbatch: int, name: str, recompute: bool = False) -> None:
+    def _seed_stream(
+        self, microbatch: int, name: str, recompute: bool = False, caller: list[torch.Tensor] | None = None
+    ) -> None:
         key = (microbatch, name, recompute)
+        # A recompute restores the random state its forward had, so the caller's state names the forward call it
+        # repeats: backward recomputes the calls of a module that runs twice per microbatch in reverse order.
+        where = None if caller is None else (microbatch, name, _fingerprint(caller))
         with self._lock:
             count = self._counts[key] = self._counts.get(key, 0) + 1
+            if where is not None and not recompute:
+                self._forward_calls.setdefault(where, []).append(count)
+            elif where is not None and self._forward_calls.get(where):
+                count = self._forward_calls[where].pop(0)
         seed = self._seed_for(microbatch, name, count)
         for generator in _generators():
             generator.manual_seed(seed)
@@ -99,12 +118,16 @@ class MicrobatchRNG:
     def enter(self, microbatch: int, name: str, recompute: bool = False) -> None:
         """A keyed module call starts: keep the caller's stream, switch to the call's own.
 
-        ``recompute``: the call runs again in backward (activation checkpointing); its n-th such call draws what
-        the n-th forward call drew, so the recomputed dropout masks are the forward's.
+        ``recompute``: the call runs again in backward (activation checkpointing) and draws what the forward call
+        it repeats drew, so the recomputed dropout masks are the forward's. That call is the forward call of this
+        module and microbatch whose caller had the random state the recompute's caller has (the checkpoint
+        restored it), the earliest such one first; without one (a recompute without preserved random state), the
+        n-th recomputed call draws what the n-th forward call drew.
         """
         stack = self._stack()
-        stack.append(_get_states())
-        self._seed_stream(microbatch, name, recompute)
+        caller = _get_states()
+        stack.append(caller)
+        self._seed_stream(microbatch, name, recompute, caller)
 
     def exit(self) -> None:
         """The keyed call returned: the caller's stream continues where it was."""

@@ -120,7 +120,9 @@ class LogRecorder:
             if reducer is torch.mean and weights is not None:
                 w = torch.tensor([weights[i] for i, _ in ordered], dtype=torch.float64)
                 w = w.reshape(-1, *([1] * (stacked.dim() - 1)))
-                value = (stacked * w).sum(0) / w.sum() if w.sum() > 0 else stacked.mean(0)
+                # A microbatch of weight 0 (no tokens) counts for nothing, also when its value is NaN (0 x NaN).
+                weighted = torch.where(w > 0, stacked * w, torch.zeros_like(stacked))
+                value = weighted.sum(0) / w.sum() if w.sum() > 0 else stacked.mean(0)
             else:
                 value = reducer(stacked, 0) if reducer is not torch.mean else stacked.mean(0)
             if isinstance(value, tuple):  # torch.max/min over a dim return (values, indices)
