@@ -12,7 +12,8 @@ call of a direct child of an ``nn.Sequential``, which a Sequential run may send 
 stream, seeded from ``(seed, step, microbatch, module FQN, n)`` for the n-th call of that module by that
 microbatch (a recompute in backward, by activation checkpointing, draws what the forward call it repeats drew:
 it finds that call by its caller's random state, which the checkpoint restored, as backward recomputes the calls
-of a module that runs twice per microbatch in reverse order); on return, the caller's stream continues where it was (:meth:`enter` / :meth:`exit`). The code of a
+of a module that runs twice per microbatch in reverse order); on return, the caller's stream continues where it
+was (:meth:`enter` / :meth:`exit`). The code of a
 step outside such calls draws from the stream ``(seed, step, microbatch, "step")``. The keys are the same on every
 layout, so the same seed and microbatch count give the same random numbers at any pipeline degree, and on every
 run. They are not those of one process on the full batch (which draws the whole batch's mask at once); a
