@@ -6,12 +6,13 @@ replays it for the tensors a model still holds. See [Note: delayed init replays 
 """
 
 from lightning_mp.init._record import InitRecord, delay_param_initialization, find_record, is_recording
-from lightning_mp.init._replay import MaterializeReport, ShardFn, materialize_module
+from lightning_mp.init._replay import MaterializeReport, ShardFn, defer_load, materialize_module
 
 __all__ = [
     "InitRecord",
     "MaterializeReport",
     "ShardFn",
+    "defer_load",
     "delay_param_initialization",
     "find_record",
     "is_recording",

@@ -498,16 +498,11 @@ class SMPStrategy(ParallelStrategy):
         assert self._engine is not None
         stage_of = self._plan.stage_of
         if self.config.tensor_parallel_degree > 1:
-            if is_delayed(module):
-                raise ValueError(
-                    "Delayed parameter initialisation does not work with tensor_parallel_degree > 1 yet (the swaps"
-                    " read the original weights). Build the model eagerly, or use tensor_parallel_degree=1."
-                )
             stage_of, _ = _tp.apply_tensor_parallelism(
                 module, self.groups, stage_of, self.pp_rank, self.global_rank, optimize=self.config.optimize
             )
         self._engine.install(module, stage_of, self._plan.ordered_state)
-        if is_delayed(module):  # only this stage's tensors are left: allocate and initialise them
+        if is_delayed(module):  # only this stage's tensors (under tp, shards) are left: allocate and initialise them
             materialize_stage(module, self.root_device, self.pp_rank)
         self._engine.order_gradients(module)
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from lightning_mp.init import defer_load, find_record
 from lightning_mp.tp._registry import Registration, TPMark, registration_for, tp_mark
 from lightning_mp.tp._sharding import TPGroup, shard_spec
 
@@ -93,10 +94,19 @@ def _keyword_names(cls: type) -> set[str]:
 def load_from(dist_module: nn.Module, original: nn.Module) -> None:
     """Load the original's weights (full shapes) into ``dist_module`` (its shards), on the original's device/dtype.
 
+    An original built under delayed parameter initialisation (still on meta) is loaded later, when the model is
+    materialised: :func:`lightning_mp.init.defer_load` (each full tensor is made, sliced into ``dist_module``
+    and freed in turn, so the weights are the eager swap's bitwise).
+
     Raises:
         ValueError: if the keys differ (the distributed class must use the original's parameter names).
     """
     first = next(original.parameters(), None)
+    if first is not None and first.is_meta and find_record(original) is not None:
+        if first.is_floating_point():
+            dist_module.to(dtype=first.dtype)
+        defer_load(dist_module, original)
+        return
     if first is not None:
         dist_module.to(device=first.device, dtype=first.dtype if first.is_floating_point() else None)
     state = original.state_dict()
