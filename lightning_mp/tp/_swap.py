@@ -159,7 +159,9 @@ class _Walk:
         mark = tp_mark(module) or mark
         if getattr(module, "_lmp_distributed", False):  # already a distributed module
             return
-        if mark is not None and mark.enabled and self.owns(fqn):
+        if mark is not None and mark.enabled and not self.owns(fqn):
+            self.translate(module, fqn)  # another stage's root: its plan still applies to the owned children
+        elif mark is not None and mark.enabled:
             candidate = self.candidate(module, fqn, mark)
             if isinstance(candidate, nn.Module):
                 self.built[fqn] = candidate
@@ -173,13 +175,8 @@ class _Walk:
         """The built counterpart, the reason there is none, or ``None`` (nothing applies to this module)."""
         translated = _inside(fqn, dict.fromkeys(self.translated))
         registration = None if translated else registration_for(module)
-        if registration is None and not translated:
-            for translate in self.translations:
-                plan = translate(module)
-                if plan:
-                    self.planned.update({f"{fqn}.{k}" if fqn else k: v for k, v in plan.items()})
-                    self.translated.append(fqn)
-                    break
+        if registration is None:
+            self.translate(module, fqn)
         try:
             if registration is not None:
                 return build_registered(module, registration, self.tp, mark.kwargs, self.defaults)
@@ -187,6 +184,17 @@ class _Walk:
             return entry if entry is None or isinstance(entry, str) else entry(module, self.tp)
         except ValueError as err:
             return str(err)
+
+    def translate(self, module: nn.Module, fqn: str) -> None:
+        """Plan the swaps inside a model a translation knows (once per translated subtree)."""
+        if _inside(fqn, dict.fromkeys(self.translated)) or registration_for(module) is not None:
+            return
+        for translate in self.translations:
+            plan = translate(module)
+            if plan:
+                self.planned.update({f"{fqn}.{k}" if fqn else k: v for k, v in plan.items()})
+                self.translated.append(fqn)
+                return
 
 
 def _keep_ties(root: nn.Module, built: dict[str, nn.Module], report: SwapReport) -> None:
