@@ -19,9 +19,9 @@ delayed-init fit under a measured per-rank cap (``RssCap``: resident memory samp
 when it passes its start + budget; ``RLIMIT_AS`` fails at thread creation long before) and reports whether
 each built and trained.
 
-Workers run with ``MALLOC_MMAP_THRESHOLD_=131072`` (``--glibc-default`` to keep glibc's dynamic threshold, under
-which freed tensors stay resident in the engine threads' malloc arenas and every rank shows about one extra
-gradient's worth of memory after the first step).
+Workers run with ``SMPStrategy(release_host_memory=True)`` (``--host-memory default`` keeps glibc's dynamic mmap
+threshold, under which freed tensors stay resident in the engine threads' malloc arenas and every rank shows
+about one extra gradient's worth of memory after the first step; see ``lightning_mp/memory/_host.py``).
 
 Run: ``python benchmarks/memory.py --budget-mb 650`` (about twelve minutes on two cores; ``--n-layer 2
 --n-embd 64`` for a smoke run).
@@ -35,7 +35,8 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
@@ -125,17 +126,39 @@ class BenchGPT(L.LightningModule):
             return torch.optim.SGD(self.parameters(), lr=1e-3)
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
-    def on_train_batch_start(self, batch, batch_idx):
-        if self.optimizer_name == "sgd":
-            # The budget demo frees the previous step's gradients here (they were applied already): the pipeline's
-            # backward runs inside `training_step`, before Lightning's own `zero_grad`, so they would otherwise
-            # still be alive while the next step makes new ones.
-            self.zero_grad(set_to_none=True)
-
     def train_dataloader(self) -> DataLoader:
         g = torch.Generator().manual_seed(0)
         x = torch.randint(0, 256, (self.batch * self.steps, self.dims[2]), generator=g)
         return DataLoader(TensorDataset(x, torch.roll(x, -1, 1)), batch_size=self.batch)
+
+
+class HostMemoryProbe(L.Callback):
+    """Measurement only (``--host-memory mmap|trim``): ``mmap`` fixes glibc's mmap threshold in each rank at
+    setup (what ``release_host_memory=True`` does), ``trim`` calls ``malloc_trim(0)`` after setup and after every
+    batch (see [Note: freed tensors stay resident under glibc] in ``lightning_mp/memory/_host.py``)."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
+    def setup(self, trainer, pl_module, stage):
+        from lightning_mp.memory._host import fix_mmap_threshold  # noqa: PLC0415
+
+        if self.mode == "mmap":
+            assert fix_mmap_threshold()
+
+    def on_fit_start(self, trainer, pl_module):
+        from lightning_mp.memory._host import trim_host_memory  # noqa: PLC0415
+
+        if self.mode == "trim":
+            trim_host_memory()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        from lightning_mp.memory._host import trim_host_memory  # noqa: PLC0415
+
+        if self.mode == "trim":
+            started = time.perf_counter()
+            trim_host_memory()
+            pl_module._trim_s = getattr(pl_module, "_trim_s", 0.0) + time.perf_counter() - started
 
 
 class MemoryProbe(L.Callback):
@@ -155,11 +178,13 @@ class MemoryProbe(L.Callback):
         self.row["own_params"] = _storage_bytes(pl_module.parameters())
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._started = time.perf_counter()
         if batch_idx == 1:
             self.row["before_step2"] = _status("VmRSS")
             _reset_peak()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.row.setdefault("step_s", []).append(time.perf_counter() - self._started)
         if batch_idx == 1:
             self.row["step2_peak"] = _status("VmHWM") - self.row["before_step2"]
 
@@ -186,13 +211,14 @@ def run_setting(setting: Setting, args: argparse.Namespace, extra_callbacks=(), 
         strategy = lightning_mp.SMPStrategy(
             pipeline_parallel_degree=setting.pp, microbatches=args.microbatches, start_method="fork",
             delayed_parameter_initialization=setting.delayed, shard_optimizer_state=setting.sharding,
+            release_host_memory=args.host_memory == "release",
         )
         trainer = L.Trainer(
-            accelerator="cpu", devices=setting.pp * setting.dp, strategy=strategy, max_steps=2, logger=False,
+            accelerator="cpu", devices=setting.pp * setting.dp, strategy=strategy, max_steps=args.steps, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
             use_distributed_sampler=False,
         )
-        trainer.fit(BenchGPT(args.n_layer, args.n_embd, args.block_size, args.batch * setting.dp, 2, optimizer))
+        trainer.fit(BenchGPT(args.n_layer, args.n_embd, args.block_size, args.batch * setting.dp, args.steps, optimizer))
         return [json.loads(Path(out, f"{r}.json").read_text()) for r in range(setting.pp * setting.dp)]
 
 
@@ -271,9 +297,10 @@ def _run_worker(index: int, extra: list[str], args: argparse.Namespace) -> list[
     base = ["--block-size", str(args.block_size), "--batch", str(args.batch), "--microbatches", str(args.microbatches)]
     if "--n-layer" not in extra:
         base += ["--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd)]
+    extra = [*extra, "--host-memory", args.host_memory, "--steps", str(args.steps)]
     command = [sys.executable, __file__, "--worker", str(index), *base, *extra]
     env = dict(os.environ)
-    if not args.glibc_default:
+    if args.host_memory == "env":
         # A fixed mmap threshold: blocks above 128 KiB are mapped and unmapped, so resident memory follows live
         # tensors. glibc's default threshold grows after the first large free, and then freed gradients and
         # activations stay resident in the engine threads' arenas (about one extra gradient copy per rank).
@@ -289,6 +316,8 @@ def _run_worker(index: int, extra: list[str], args: argparse.Namespace) -> list[
 
 def _worker(args: argparse.Namespace) -> None:
     extra = [RssCap(args.cap_mb * MiB)] if args.cap_mb else []
+    if args.host_memory in ("mmap", "trim"):
+        extra.append(HostMemoryProbe(args.host_memory))
     rows = run_setting(SETTINGS[args.worker], args, extra_callbacks=extra, optimizer=args.optimizer)
     print(_MARK + json.dumps(rows), flush=True)
 
@@ -311,7 +340,12 @@ def main() -> None:
     parser.add_argument("--budget-mb", type=int, default=0, help="also run pp=4 eager and delayed under this cap (650)")
     parser.add_argument("--budget-n-layer", type=int, default=16)
     parser.add_argument("--budget-n-embd", type=int, default=1024)
-    parser.add_argument("--glibc-default", action="store_true", help="keep glibc's dynamic mmap threshold")
+    parser.add_argument(
+        "--host-memory", default="release", choices=["release", "default", "env", "mmap", "trim"],
+        help="release: SMPStrategy(release_host_memory=True) (default); default: glibc's dynamic mmap threshold;"
+        " env: MALLOC_MMAP_THRESHOLD_=131072 in the workers; mmap / trim: mallopt / malloc_trim from a callback",
+    )
+    parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--cap-mb", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--optimizer", default="adamw", help=argparse.SUPPRESS)

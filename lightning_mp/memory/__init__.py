@@ -1,12 +1,17 @@
-"""Activation memory savers, torch only: per-module activation checkpointing and activation offloading."""
+"""Memory savers, torch only: per-module activation checkpointing, activation offloading, and giving freed host
+memory back on glibc."""
 
 from lightning_mp.memory._checkpointing import checkpointed_modules, is_checkpointed, set_activation_checkpointing
+from lightning_mp.memory._host import fix_mmap_threshold, glibc, trim_host_memory
 from lightning_mp.memory._offloading import ActivationOffloader, OffloadStats
 
 __all__ = [
     "ActivationOffloader",
     "OffloadStats",
     "checkpointed_modules",
+    "fix_mmap_threshold",
+    "glibc",
     "is_checkpointed",
     "set_activation_checkpointing",
+    "trim_host_memory",
 ]

@@ -41,6 +41,7 @@ from lightning_mp.callbacks import PartitionSummary
 from lightning_mp.partition import ModelTrace, PartitionPlan, manual_placements
 from lightning_mp.pipeline import MicrobatchSplitError, PipelineEngine, merge_microbatches, split_microbatches
 from lightning_mp.init import delay_param_initialization
+from lightning_mp.memory._host import fix_mmap_threshold, trim_host_memory
 from lightning_mp.strategy import _checkpoint
 from lightning_mp.strategy import _tp
 from lightning_mp.strategy._exit import release_at_exit
@@ -122,6 +123,9 @@ class SMPStrategy(ParallelStrategy):
             anyway).
         shard_optimizer_state: ZeRO-1 over the data-parallel group: each dp rank keeps 1/dp of its stage's
             optimizer state (see [Note: sharded optimizer state] in ``_zero.py``).
+        release_host_memory: on glibc Linux, freed CPU tensors leave each rank's resident memory at once (a fixed
+            malloc mmap threshold; slower steps, see :attr:`lightning_mp.SMPConfig.release_host_memory`); for
+            training under a per-rank memory budget.
         placement_strategy: which axis gets neighbouring ranks: ``"cluster"`` (tp, default), ``"spread"``
             (replicas) or a permutation of ``D``, ``P``, ``T`` (outermost first).
 
@@ -156,6 +160,7 @@ class SMPStrategy(ParallelStrategy):
         replan_on_resume: bool = False,
         delayed_parameter_initialization: bool = False,
         shard_optimizer_state: bool = False,
+        release_host_memory: bool = False,
         placement_strategy: str = "cluster",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -189,6 +194,7 @@ class SMPStrategy(ParallelStrategy):
             deterministic_order=deterministic_order,
             delayed_parameter_initialization=delayed_parameter_initialization,
             shard_optimizer_state=shard_optimizer_state,
+            release_host_memory=release_host_memory,
             placement_strategy=placement_strategy,
         )
         self._start_method = start_method
@@ -305,6 +311,8 @@ class SMPStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         apply_thread_policy(self.num_processes)  # for launch paths without a launcher; see _launch.py
+        if self.config.release_host_memory and not fix_mmap_threshold():
+            rank_zero_warn("release_host_memory=True has no effect here: it needs glibc (Linux) malloc.")
         reset_seed()
         self.set_world_ranks()
         backend = self.config.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
@@ -504,6 +512,8 @@ class SMPStrategy(ParallelStrategy):
         self._engine.install(module, stage_of, self._plan.ordered_state)
         if is_delayed(module):  # only this stage's tensors (under tp, shards) are left: allocate and initialise them
             materialize_stage(module, self.root_device, self.pp_rank)
+        if self.config.release_host_memory:
+            trim_host_memory()  # what the build, the trace and the replay freed
         self._engine.order_gradients(module)
 
     def _sample_to_device(self, batch: Any) -> Any:
