@@ -368,3 +368,52 @@ def test_reseeding_inside_the_build_is_replayed():
     torch.rand(10)
     materialize_module(model)
     _assert_bitwise(_tensors(model), _tensors(eager))
+
+
+class Wide(nn.Module):
+    """Tensors above the chunk size of scratch draws (65,536 elements), with ragged tails and every fill kind."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(300, 300)  # kaiming_uniform_, then re-initialised below (a dead first write)
+        self.b = nn.Parameter(torch.empty(65_541))  # a tail of 5 elements after one chunk
+        self.c = nn.Parameter(torch.empty(3, 70_001))
+        self.d = nn.Parameter(torch.empty(400, 400).t())  # non-contiguous: a full-size scratch
+        self.e = nn.Parameter(torch.randn(200, 400))  # a random factory
+        nn.init.normal_(self.a.weight, std=0.02)
+        nn.init.normal_(self.b)
+        nn.init.uniform_(self.c, -1, 1)
+        nn.init.normal_(self.d, std=0.02)
+        with torch.no_grad():
+            self.c.bernoulli_(0.3)
+            self.e.exponential_()
+
+
+@pytest.mark.parametrize("keep", ["a.weight", "c", "e"])
+def test_other_stages_draw_on_a_small_chunked_scratch_bitwise(keep):
+    """[Note: chunked scratch draws]: the generator advances exactly, with scratch far below the largest tensor."""
+    torch.manual_seed(3)
+    eager = Wide()
+    rng_after = torch.get_rng_state()
+    torch.manual_seed(3)
+    with delay_param_initialization():
+        model = Wide()
+    assert torch.equal(torch.get_rng_state(), rng_after), "advancing the stream on exit uses the same draws"
+    for name, module in model.named_modules():
+        for pname in list(module._parameters):
+            if f"{name}.{pname}".lstrip(".") != keep:
+                module._parameters[pname] = None
+    report = materialize_module(model)
+    assert torch.equal(model.get_parameter(keep), eager.get_parameter(keep))
+    largest_other = 400 * 400 * 4  # `d` is non-contiguous: drawn whole; the contiguous ones in chunks
+    assert report.max_scratch_bytes <= largest_other
+    assert report.peak_bytes <= model.get_parameter(keep).numel() * 4 + 65_552 * 4
+
+
+def test_truncated_normal_init_is_a_clear_error():
+    """torch's ``trunc_normal_`` rejects and redraws samples until they fall inside the bounds: how many numbers it
+    draws depends on the values, so it cannot be replayed (and it skips meta tensors silently)."""
+    with pytest.raises(RuntimeError, match="trunc_normal_.*depends on the values it draws"):
+        with delay_param_initialization():
+            nn.init.trunc_normal_(nn.Parameter(torch.empty(4, 4)), std=0.02)
+    nn.init.trunc_normal_(torch.empty(2))  # restored after the block

@@ -283,11 +283,14 @@ def delay_param_initialization() -> Iterator[InitRecord | None]:
     handles = _tag_modules_with(record)
     _ACTIVE.record = record
     recorder = _Recorder(record)
+    trunc_normal = torch.nn.init.trunc_normal_
+    torch.nn.init.trunc_normal_ = _refuse_trunc_normal
     try:
         with recorder:
             yield record
         recorder.note_reseed()  # a re-seed after the last random op still sets the state code after the block sees
     finally:
+        torch.nn.init.trunc_normal_ = trunc_normal
         _ACTIVE.record = None
         for handle in handles:
             handle.remove()
@@ -295,6 +298,15 @@ def delay_param_initialization() -> Iterator[InitRecord | None]:
     from lightning_mp.init._replay import advance_rng  # noqa: PLC0415 (import cycle)
 
     advance_rng(record)
+
+
+def _refuse_trunc_normal(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError(
+        "torch.nn.init.trunc_normal_ was called while building under delayed parameter initialisation. It redraws"
+        " samples until they fall inside the bounds, so how many random numbers it takes depends on the values it"
+        " draws, which a meta build does not have (torch also skips it on meta tensors). Initialise with"
+        " `normal_` + `clamp_`, or build this model eagerly."
+    )
 
 
 def _tag_modules_with(record: InitRecord) -> list[Any]:

@@ -208,6 +208,82 @@ def _run(op: RecordedOp, convert: Callable[[TensorRef], torch.Tensor]) -> object
     return op.func(*args, **_fill_dtype(op, kwargs))
 
 
+# [Note: chunked scratch draws] A random op on another rank's tensor only has to advance the generator as the
+# full op would. CPU generators draw a fixed count per element for these in-place fills, so the op can run on a
+# small buffer, chunk after chunk, as long as every chunk but the last is a multiple of 16 elements and the last
+# has at least 16 (`normal_` fills 16 at a time and redraws a ragged tail). That saves a scratch tensor as large
+# as the largest tensor of another stage at the setup peak. It is checked once per op and dtype against a full
+# draw (`_chunking_holds`), and used only for contiguous CPU tensors; anything else runs on a full-size scratch.
+_CHUNKED = frozenset(
+    {
+        torch.ops.aten.normal_.default, torch.ops.aten.uniform_.default, torch.ops.aten.bernoulli_.float,
+        torch.ops.aten.exponential_.default, torch.ops.aten.log_normal_.default, torch.ops.aten.cauchy_.default,
+        torch.ops.aten.geometric_.default, torch.ops.aten.random_.default, torch.ops.aten.random_.to,
+        getattr(torch.ops.aten.random_, "from"),
+    }
+)
+_CHUNK = 1 << 16  # elements, a multiple of 16
+_CHUNKING_HOLDS: dict[tuple, bool] = {}
+
+
+def _contiguous(ref: TensorRef) -> bool:
+    expected = 1
+    for size, stride in reversed(list(zip(ref.shape, ref.stride))):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _chunks(numel: int) -> list[int]:
+    sizes, left = [], numel
+    while left:
+        size = _CHUNK if left - _CHUNK >= 16 else left
+        sizes.append(size)
+        left -= size
+    return sizes
+
+
+def _fill(func, buffer: torch.Tensor, sizes: list[int], args: tuple, kwargs: dict) -> None:
+    for size in sizes:
+        func(buffer[:size], *args, **kwargs)
+
+
+def _chunking_holds(func, dtype: torch.dtype, args: tuple, kwargs: dict) -> bool:
+    """Whether chunked draws advance the CPU generator as one full draw does, for this op and dtype."""
+    key = (func, dtype, args, tuple(sorted(kwargs.items())))
+    if key not in _CHUNKING_HOLDS:
+        numel = 2 * _CHUNK + 37
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            func(torch.empty(numel, dtype=dtype), *args, **kwargs)
+            full = torch.get_rng_state()
+            torch.manual_seed(0)
+            _fill(func, torch.empty(_CHUNK + 16, dtype=dtype), _chunks(numel), args, kwargs)
+            _CHUNKING_HOLDS[key] = torch.equal(full, torch.get_rng_state())
+    return _CHUNKING_HOLDS[key]
+
+
+def _draw_on_scratch(op: RecordedOp) -> int:
+    """Run random ``op`` on scratch memory only (see [Note: chunked scratch draws]); returns the bytes used."""
+    target = op.args[0] if op.args else None
+    rest = (op.args[1:], op.kwargs)
+    chunkable = (
+        op.func in _CHUNKED
+        and isinstance(target, TensorRef)
+        and not any(isinstance(x, TensorRef) for x in tree_flatten(rest)[0])
+        and math.prod(target.shape) > _CHUNK + 16
+        and _contiguous(target)
+        and op.kwargs.get("generator") is None
+    )
+    if chunkable and _chunking_holds(op.func, target.dtype, op.args[1:], op.kwargs):
+        buffer = torch.empty(_CHUNK + 16, dtype=target.dtype)
+        _fill(op.func, buffer, _chunks(math.prod(target.shape)), op.args[1:], op.kwargs)
+        return buffer.numel() * buffer.element_size()
+    result = _run(op, _scratch)
+    return sum(r.numel() * r.element_size() for r in tree_flatten(result)[0] if isinstance(r, torch.Tensor))
+
+
 def _scratch(ref: TensorRef) -> torch.Tensor:
     return torch.empty_strided(ref.shape, ref.stride, dtype=ref.dtype)
 
@@ -255,10 +331,7 @@ def replay(
                 for sid in made:  # its values are dead, but a later op overwrites the storage: allocate it then
                     storages.pending[sid] = op
                 if op.random:
-                    result = _run(op, _scratch)
-                    outputs = [r for r in tree_flatten(result)[0] if isinstance(r, torch.Tensor)]
-                    max_scratch = max(max_scratch, sum(r.numel() * r.element_size() for r in outputs))
-                    del result, outputs
+                    max_scratch = max(max_scratch, _draw_on_scratch(op))
                     scratched += 1
             peak = max(peak, storages.live + held)
             if not plan.real[index]:
@@ -294,7 +367,7 @@ def advance_rng(record: InitRecord) -> None:
         if isinstance(op, SetRngState):
             torch.set_rng_state(op.state)
         elif op.random:
-            _run(op, _scratch)
+            _draw_on_scratch(op)
 
 
 def _set_start_state(record: InitRecord) -> None:
