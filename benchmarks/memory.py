@@ -181,10 +181,12 @@ class MemoryProbe(L.Callback):
         self._started = time.perf_counter()
         if batch_idx == 1:
             self.row["before_step2"] = _status("VmRSS")
-            _reset_peak()
+        _reset_peak()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.row.setdefault("step_s", []).append(time.perf_counter() - self._started)
+        # every step's peak above the rank's resident memory at setup
+        self.row.setdefault("step_peaks", []).append(_status("VmHWM") - self.row["baseline"])
         if batch_idx == 1:
             self.row["step2_peak"] = _status("VmHWM") - self.row["before_step2"]
 
@@ -254,6 +256,13 @@ class RssCap(L.Callback):
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
+        self.phase = "setup"
+
+    def on_fit_start(self, trainer, pl_module):
+        self.phase = "training"
+
+    def on_train_end(self, trainer, pl_module):
+        self.phase = "after training"
 
     def setup(self, trainer, pl_module, stage):
         import threading  # noqa: PLC0415
@@ -263,7 +272,10 @@ class RssCap(L.Callback):
         def watch() -> None:
             while True:
                 if _status("VmRSS") > cap:
-                    print(f"rank {trainer.global_rank}: over the budget of {self.budget / MiB:.0f} MiB", flush=True)
+                    print(
+                        f"rank {trainer.global_rank}: over the budget of {self.budget / MiB:.0f} MiB (global step"
+                        f" {trainer.global_step}, {self.phase})", flush=True,
+                    )
                     os._exit(3)
                 threading.Event().wait(0.005)
 
