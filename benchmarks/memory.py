@@ -7,8 +7,9 @@ measures, on each rank:
   the partitioning trace and the materialisation), above the rank's resident memory when setup started
   (``VmHWM`` is reset by writing 5 to ``/proc/self/clear_refs`` between phases);
 - **own params**: the bytes of the parameters the rank holds (from their storages);
-- **step-2 peak**: the peak of the second training step above the resident memory before it;
-- **step-2 peak - grads**: the same less the gradients the step allocates (activations and temporaries);
+- **step-2 peak**: the peak of the second training step above the resident memory before it, which holds the
+  first step's gradients: the step frees them before it makes its own (``GradientStash``), so this is the
+  activations and temporaries of the step;
 - **param + grad + optimizer bytes** after training, counted from storages (optimizer: the local shard's state),
   and ``(params + optimizer) / ideal`` with ideal = total params / pp + AdamW state (2x) / (pp x dp-shard).
 
@@ -374,8 +375,8 @@ def main() -> None:
     print(f"example GPT n_layer={args.n_layer} n_embd={args.n_embd}: {_mib(total)} MiB of fp32 parameters; AdamW;"
           f" batch {args.batch} x {args.block_size} tokens per replica, {args.microbatches} microbatches\n")
     print("| setting | pp | dp | rank | setup peak | own params | setup peak / own params | step-2 peak |"
-          " step-2 peak - grads | params + grads + optimizer | (params + optimizer) / ideal |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          " params + grads + optimizer | (params + optimizer) / ideal |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     chosen = SETTINGS if args.only is None else [SETTINGS[int(i)] for i in args.only.split(",")]
     for setting in chosen:
         rows = _run_worker(SETTINGS.index(setting), [], args)
@@ -388,7 +389,7 @@ def main() -> None:
             print(
                 f"| {setting.name} | {setting.pp} | {setting.dp} | {rank} | {_mib(row['setup_peak'])} |"
                 f" {_mib(row['own_params'])} | {row['setup_peak'] / max(1, row['own_params']):.2f} |"
-                f" {_mib(row['step2_peak'])} | {_mib(row['step2_peak'] - row['grads'])} |"
+                f" {_mib(row['step2_peak'])} |"
                 f" {_mib(row['params'] + row['grads'] + row['optimizer'])} |"
                 f" {(row['params'] + row['optimizer']) / ideal:.2f} |",
                 flush=True,

@@ -12,6 +12,9 @@ come out bitwise equal to an eager one-process build with the same seed, on ever
 the process's generators are moved forward by the same draws (scratch only), so code after the build sees the
 random state an eager build leaves. The dispatch mode is not a ``torch.device("meta")`` context, so libraries
 that skip weight init on a meta device context (transformers 5.x) still run their init, and the tape gets it.
+Under tensor parallelism the swapped-in distributed modules are built for real (their local shards) and load
+their shard of each original tensor when the replay has made it (:func:`lightning_mp.init.defer_load`), which
+is freed right after: the eager tp path's weights, with at most one full tensor alive at a time.
 """
 
 from __future__ import annotations
