@@ -318,6 +318,8 @@ def _run_worker(index: int, extra: list[str], args: argparse.Namespace) -> list[
         # tensors. glibc's default threshold grows after the first large free, and then freed gradients and
         # activations stay resident in the engine threads' arenas (about one extra gradient copy per rank).
         env.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
+    if args.host_memory == "arena":  # one malloc arena for all threads: freed memory is reused across threads
+        env.setdefault("MALLOC_ARENA_MAX", "1")
     done = subprocess.run(command, capture_output=True, text=True, timeout=1800, env=env)
     for line in done.stdout.splitlines():
         if line.startswith(_MARK):
@@ -354,9 +356,10 @@ def main() -> None:
     parser.add_argument("--budget-n-layer", type=int, default=16)
     parser.add_argument("--budget-n-embd", type=int, default=1024)
     parser.add_argument(
-        "--host-memory", default="release", choices=["release", "default", "env", "mmap", "trim"],
+        "--host-memory", default="release", choices=["release", "default", "env", "arena", "mmap", "trim"],
         help="release: SMPStrategy(release_host_memory=True) (default); default: glibc's dynamic mmap threshold;"
-        " env: MALLOC_MMAP_THRESHOLD_=131072 in the workers; mmap / trim: mallopt / malloc_trim from a callback",
+        " env: MALLOC_MMAP_THRESHOLD_=131072 in the workers; arena: MALLOC_ARENA_MAX=1; mmap / trim: mallopt /"
+        " malloc_trim from a callback",
     )
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)

@@ -107,7 +107,8 @@ class SMPConfig:
     ``MALLOC_MMAP_THRESHOLD_`` environment variable does), so freed CPU tensors leave the resident set at once
     instead of staying in the engine threads' malloc arenas (about one gradient copy more per rank at the step's
     peak otherwise; see [Note: freed tensors stay resident under glibc]). Costs page faults: each step maps its
-    large tensors afresh (measured 7-30% slower steps on the example GPT on CPU). A no-op without glibc."""
+    large tensors afresh (steps 1.0-2.0x as long on the example GPT at pp=2 on CPU, in alternating rounds on a
+    loaded machine). A no-op without glibc."""
 
     placement_strategy: str = "cluster"
     """Which parallel axis gets neighbouring global ranks (SMP's knob): ``"cluster"`` (= ``"DPT"``: the ranks of a
