@@ -164,6 +164,46 @@ def test_offloading_moves_each_saved_input_once_reverse_order_per_microbatch_hor
         assert torch.equal(param.grad, dict(reference.named_parameters())[name].grad), name
 
 
+class TwoInputs(nn.Module):
+    """A checkpointed call that saves two inputs (one task of two entries)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * y
+
+
+def test_offloading_loads_horizon_checkpointed_calls_ahead():
+    """SMP's horizon counts tasks (module executions), not tensors: the first unpack loads the rest of its call
+    and both inputs of each of the next ``horizon`` calls."""
+    torch.manual_seed(0)
+    reference = nn.ModuleList(TwoInputs() for _ in range(4))
+    model = copy.deepcopy(reference)
+    offloader = ActivationOffloader(horizon=2)
+    for block in model:
+        set_activation_checkpointing(block)
+        block.__dict__["_lightning_mp_offloader"] = offloader
+    after_each_unpack: list[int] = []
+    unpack = offloader._unpack
+    offloader._unpack = lambda packed: (unpack(packed), after_each_unpack.append(offloader.stats.prefetches))[0]
+    x0, y = torch.randn(3, 8, requires_grad=True), torch.randn(3, 8, requires_grad=True)
+    outputs = []
+    for net in (reference, model):
+        x = x0
+        for block in net:
+            x = block(x, y)
+        outputs.append(x.pow(2).sum())
+    assert offloader.stats.packs == 8, "two saved inputs per checkpointed call"
+    outputs[1].backward()
+    assert after_each_unpack[0] == 1 + 2 * 2, "its call's other input and both inputs of the next 2 calls"
+    assert offloader.stats.prefetches == 7 and offloader.stats.unpacks == 8 and offloader.stats.host_bytes == 0
+    ref_grads = torch.autograd.grad(outputs[0], list(reference.parameters()))
+    for (name, param), expected in zip(model.named_parameters(), ref_grads):
+        assert torch.equal(param.grad, expected), name
+
+
 def test_offloader_rejects_a_bad_horizon():
     with pytest.raises(ValueError, match="`horizon` must be an integer >= 1, got 0"):
         ActivationOffloader(horizon=0)

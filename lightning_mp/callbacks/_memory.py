@@ -159,11 +159,11 @@ class ActivationOffloading(Callback):
     """Offload the saved inputs of checkpointed modules to host memory (SMP's ``offload_activations``).
 
     Needs :class:`ActivationCheckpointing` (or ``set_activation_checkpointing``): only checkpointed modules'
-    inputs are offloaded; loads run ``horizon`` entries ahead of backward, per microbatch (SMP's
-    ``activation_loading_horizon``).
+    inputs are offloaded; loads run ``horizon`` tasks (checkpointed module calls) ahead of backward, per
+    microbatch (SMP's ``activation_loading_horizon``).
 
     Args:
-        horizon: entries loaded ahead of the one backward needs, per microbatch (>= 1).
+        horizon: tasks loaded ahead of the one backward needs, per microbatch (>= 1).
 
     Raises:
         ValueError: if ``horizon < 1``.

@@ -3,15 +3,18 @@
 The inputs a checkpointed module saves for its recompute are packed to host memory right after its forward and
 loaded back before its backward (:class:`torch.autograd.graph.saved_tensors_hooks`, entered around the
 checkpointed call, so only those inputs are offloaded: everything inside the checkpoint is recomputed). Loads are
-issued ``horizon`` entries ahead: when backward unpacks entry ``k`` of a microbatch, the next ``horizon`` entries
-that microbatch will need (those packed before ``k``) are loaded too. Queues are per microbatch, so under the
+issued ``horizon`` tasks ahead, a task being one checkpointed module call (SMP's unit: one module execution of
+one microbatch): when backward unpacks an entry, the rest of its call's entries and every entry of the next
+``horizon`` calls that microbatch will need (those packed before it) are loaded too. Queues are per microbatch, so under the
 interleaved schedule a microbatch's backward never waits on another's loads. On CUDA copies go to pinned host
 memory on a side stream; on CPU the same bookkeeping runs with real copies (the original is dropped at pack).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+import threading
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -42,19 +45,21 @@ class OffloadStats:
 
 
 class _Entry:
-    __slots__ = ("device", "host", "index", "loaded", "microbatch", "nbytes")
+    __slots__ = ("device", "host", "index", "loaded", "microbatch", "nbytes", "task")
 
-    def __init__(self, microbatch: Hashable, index: int, host: torch.Tensor, device: torch.device) -> None:
-        self.microbatch, self.index, self.host, self.device = microbatch, index, host, device
+    def __init__(
+        self, microbatch: Hashable, index: int, host: torch.Tensor, device: torch.device, task: Hashable
+    ) -> None:
+        self.microbatch, self.index, self.host, self.device, self.task = microbatch, index, host, device, task
         self.nbytes = host.numel() * host.element_size()
         self.loaded: torch.Tensor | None = None
 
 
 class ActivationOffloader:
-    """Pack saved activations to host memory, load them back ``horizon`` entries ahead of backward.
+    """Pack saved activations to host memory, load them back ``horizon`` tasks ahead of backward.
 
     Args:
-        horizon: how many entries of one microbatch are loaded ahead of the one backward needs (>= 1).
+        horizon: how many tasks of one microbatch are loaded ahead of the one backward needs (>= 1).
         microbatch_fn: returns the running microbatch (so queues are per microbatch); ``None``: one queue.
 
     Raises:
@@ -66,14 +71,24 @@ class ActivationOffloader:
             raise ValueError(f"`horizon` must be an integer >= 1, got {horizon!r}.")
         self.horizon = horizon
         self._microbatch_fn = microbatch_fn or (lambda: 0)
+        self._calls = 0  # checkpointed calls entered so far (each one task)
+        self._local = threading.local()  # the call this thread is in (engine threads run calls concurrently)
         self._pending: dict[Hashable, list[_Entry]] = {}  # packed, not yet unpacked, in pack order
         self._count: dict[Hashable, int] = {}
         self.stats = OffloadStats()
         self._stream: torch.cuda.Stream | None = None
 
-    def saved_tensors_hooks(self) -> saved_tensors_hooks:
-        """The hooks to enter around a checkpointed call."""
-        return saved_tensors_hooks(self._pack, self._unpack)
+    @contextmanager
+    def saved_tensors_hooks(self) -> Iterator[None]:
+        """The hooks to enter around a checkpointed call (one task: its entries are loaded together)."""
+        self._calls += 1
+        previous = getattr(self._local, "call", None)
+        self._local.call = self._calls
+        try:
+            with saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._local.call = previous
 
     def _pack(self, tensor: torch.Tensor) -> _Entry | torch.Tensor:
         if tensor.numel() == 0 or isinstance(tensor, torch.nn.Parameter):
@@ -81,7 +96,9 @@ class ActivationOffloader:
         microbatch = self._microbatch_fn()
         index = self._count.get(microbatch, 0)
         self._count[microbatch] = index + 1
-        entry = _Entry(microbatch, index, self._to_host(tensor), tensor.device)
+        call = getattr(self._local, "call", None)
+        task = (microbatch, "entry", index) if call is None else (microbatch, "call", call)
+        entry = _Entry(microbatch, index, self._to_host(tensor), tensor.device, task)
         self._pending.setdefault(microbatch, []).append(entry)
         self.stats.packs += 1
         self.stats.host_bytes += entry.nbytes
@@ -94,8 +111,14 @@ class ActivationOffloader:
         pending = self._pending.get(packed.microbatch, [])
         if packed in pending:
             position = pending.index(packed)
-            for ahead in pending[max(0, position - self.horizon) : position]:  # needed next, in backward order
-                if ahead.loaded is None:
+            tasks = [packed.task]  # this task, then the next `horizon` ones in backward (reverse pack) order
+            for entry in reversed(pending[:position]):
+                if entry.task not in tasks:
+                    if len(tasks) > self.horizon:
+                        break
+                    tasks.append(entry.task)
+            for ahead in pending:
+                if ahead is not packed and ahead.task in tasks and ahead.loaded is None:
                     self._load(ahead)
                     self.stats.prefetches += 1
             pending.pop(position)
