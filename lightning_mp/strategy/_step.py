@@ -176,6 +176,10 @@ class GradientStash:
         for p in self._previous:
             p.grad = None
 
+    def previous(self, param: nn.Parameter) -> torch.Tensor | None:
+        """During the pipelined step: the gradient ``param`` had before it (the accumulation window's so far)."""
+        return self._previous.get(param)
+
     def end(self) -> None:
         """After the pipelined step: take its gradients and put back the ones from before."""
         for p, previous in self._previous.items():

@@ -47,6 +47,7 @@ from lightning_mp.strategy._exit import release_at_exit
 from lightning_mp.strategy._launch import apply_thread_policy, make_launcher
 from lightning_mp.strategy._metrics import sync_metrics_over
 from lightning_mp.strategy._precision import install_synced_scaler, loss_scale_of
+from lightning_mp.strategy._reducer import GradientReducer
 from lightning_mp.strategy._summary import (
     gather_parameter_counts,
     silence_single_replica_sync_advice,
@@ -204,6 +205,7 @@ class SMPStrategy(ParallelStrategy):
         self._plan: PartitionPlan | None = None
         self._trace: ModelTrace | None = None
         self._grads = GradientStash()
+        self._reducer: GradientReducer | None = None  # dp > 1: see [Note: overlapped gradient all-reduce]
         self._warned_eval_split = False
 
     # ---- parallel layout -------------------------------------------------------------------------------------
@@ -345,6 +347,7 @@ class SMPStrategy(ParallelStrategy):
     def _release_process_groups(self) -> None:
         """Drop every object that holds a process group (at exit, after they were destroyed)."""
         self._engine = None
+        self._reducer = None
         self._device_mesh = None
         self._groups = None
 
@@ -413,6 +416,7 @@ class SMPStrategy(ParallelStrategy):
         if self._save_distributed_checkpoint:
             _checkpoint.name_checkpoint_folders(trainer.checkpoint_callbacks)
         self._place_modules(trainer)
+        self._build_reducer()
         if self.topology.pipeline_parallel_degree * self.topology.tensor_parallel_degree > 1:
             sync_metrics_over(self.lightning_module, self.device_mesh.get_group(MeshAxis.DP.value))
         if self.topology.pipeline_parallel_degree > 1:  # Lightning's summary counts the whole model
@@ -511,6 +515,25 @@ class SMPStrategy(ParallelStrategy):
             materialize_stage(module, self.root_device, self.pp_rank)
         self._engine.order_gradients(module)
 
+    def _build_reducer(self) -> None:
+        """Bucketed gradient all-reduce over dp during backward (see [Note: overlapped gradient all-reduce]).
+
+        Not with tensor parallelism: there the replicated parameters' gradients are averaged over the tp group
+        first (``_tp.average_replicated_grads``), so the dp all-reduce runs after backward, as it always did.
+        """
+        topology = self.topology
+        if self._reducer is not None or topology.data_parallel_degree == 1 or topology.tensor_parallel_degree > 1:
+            return
+        engine = self._engine
+        assert engine is not None
+        self._reducer = GradientReducer(
+            list(self.lightning_module.parameters()),
+            self.device_mesh.get_group(MeshAxis.DP.value),
+            topology.data_parallel_degree,
+            is_complete=engine.gradient_complete,
+            previous=self._grads.previous,
+        )
+
     def _sample_to_device(self, batch: Any) -> Any:
         return self.precision_plugin.convert_input(self.batch_to_device(batch))
 
@@ -549,6 +572,8 @@ class SMPStrategy(ParallelStrategy):
         params = list(self.model.parameters())
         first_in_window = trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
         self._grads.begin(params, keep_previous=not first_in_window)
+        # the window's last batch: its gradients are final when backward ends, so dp buckets go out during it
+        armed = self._reducer is not None and _steps_optimizer(trainer) and self._reducer.arm(self.config.microbatches)
         try:
             summary = self._pipelined_step(
                 "training_step",
@@ -559,6 +584,11 @@ class SMPStrategy(ParallelStrategy):
                     self.config.microbatches, trainer.accumulate_grad_batches, loss_scale_of(self.precision_plugin)
                 ),
             )
+            if armed:
+                assert self._reducer is not None
+                if summary.num_tokens is not None:  # divided by the count below, after the buckets went out
+                    self._reducer.surprise()
+                self._reducer.flush()
         finally:
             self._grads.end()
         if summary.num_tokens:  # see [Note: token-weighted losses]
@@ -656,11 +686,12 @@ class SMPStrategy(ParallelStrategy):
             if self.topology.tensor_parallel_degree > 1:
                 _tp.average_replicated_grads(list(self.model.parameters()), self.groups)
             if self.topology.data_parallel_degree > 1:
-                all_reduce_gradients(
-                    list(self.model.parameters()),
-                    self.device_mesh.get_group(MeshAxis.DP.value),
-                    self.topology.data_parallel_degree,
-                )
+                if self._reducer is None or not self._reducer.finish():  # not bucketed during backward: now
+                    all_reduce_gradients(
+                        list(self.model.parameters()),
+                        self.device_mesh.get_group(MeshAxis.DP.value),
+                        self.topology.data_parallel_degree,
+                    )
             return result
 
         return super().optimizer_step(optimizer, closure_then_all_reduce, model, **kwargs)
@@ -772,6 +803,15 @@ class SMPStrategy(ParallelStrategy):
 # ``n / sum(n)``: one process's maths on the batch. A microbatch with ``n == 0`` runs no backward. Without
 # ``num_tokens`` the loss is the mean of the microbatch losses. Data-parallel replicas then average their
 # gradients as under ``ddp`` (each replica's batch is normalised by its own count).
+
+
+def _steps_optimizer(trainer: pl.Trainer) -> bool:
+    """Whether Lightning steps the optimizer after the current training batch (the accumulation window ends)."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    should_accumulate = getattr(epoch_loop, "_should_accumulate", None)
+    if should_accumulate is None:  # another Lightning version: only without accumulation is it certain
+        return trainer.accumulate_grad_batches == 1
+    return not should_accumulate()
 
 
 def _num_tokens(output: Any) -> float | None:
