@@ -257,7 +257,7 @@ def _full_file_strategy() -> lightning_mp.SMPStrategy:
 
 def test_full_checkpoint_file_at_pp2_is_a_plain_lightning_checkpoint(tmp_path, capfd):
     """save_distributed_checkpoint=False at pp=2 writes the file one device writes; load_from_checkpoint reads it;
-    resuming from it reuses the partition plan saved in it and continues as one device does."""
+    resuming from it (``ckpt_path="last"``) reuses the partition plan saved in it and continues as one device does."""
     reference = _fit_lm(tmp_path / "ref", tmp_path / "ck_ref", "auto", 1, STEPS)[0]
     _fit_lm(tmp_path / "smp", tmp_path / "ck", _full_file_strategy(), 2, STEPS)
     assert "reusing the partition plan" not in "".join(capfd.readouterr()), "a fresh run plans"
@@ -270,12 +270,40 @@ def test_full_checkpoint_file_at_pp2_is_a_plain_lightning_checkpoint(tmp_path, c
 
     resumed_reference = _fit_lm(tmp_path / "ref2", tmp_path / "ck_ref2", "auto", 1, 2 * STEPS,
                                 ckpt_path=tmp_path / "ck_ref" / "last.ckpt")[0]
-    resumed = _fit_lm(tmp_path / "smp2", tmp_path / "ck2", _full_file_strategy(), 2, 2 * STEPS,
-                      ckpt_path=tmp_path / "ck" / "last.ckpt")
+    # "last", resolved by Lightning in each process (the path itself is resumed in test_strategy's resume test)
+    resumed = _fit_lm(tmp_path / "smp2", tmp_path / "ck", _full_file_strategy(), 2, 2 * STEPS, ckpt_path="last")
     out = "".join(capfd.readouterr())  # Lightning's rank-zero info goes to stderr
     assert f"reusing the partition plan from {tmp_path / 'ck' / 'last.ckpt'}" in out
     for result in resumed:
         torch.testing.assert_close(result["losses"], resumed_reference["losses"], rtol=1e-5, atol=1e-6)
+
+
+def test_full_checkpoint_file_gathers_sharded_optimizer_state(tmp_path):
+    """ZeRO-1 at dp=2 with save_distributed_checkpoint=False: the file holds every parameter's Adam state (gathered
+    over the data-parallel ranks), as the same run without sharding writes it, and resumes under ZeRO as that one
+    resumes."""
+    def strategy(shard: bool) -> lightning_mp.SMPStrategy:
+        return lightning_mp.SMPStrategy(start_method="spawn", save_distributed_checkpoint=False, shard_optimizer_state=shard)
+
+    _fit_lm(tmp_path / "plain", tmp_path / "ck_plain", strategy(False), 2, STEPS)
+    _fit_lm(tmp_path / "zero", tmp_path / "ck_zero", strategy(True), 2, STEPS)
+    got, expected = (torch.load(tmp_path / d / "last.ckpt", weights_only=False) for d in ("ck_zero", "ck_plain"))
+    _assert_same_checkpoint(got, expected)
+    plain = _fit_lm(tmp_path / "plain2", tmp_path / "ck_plain2", strategy(False), 2, 2 * STEPS,
+                    ckpt_path=tmp_path / "ck_plain" / "last.ckpt")
+    zero = _fit_lm(tmp_path / "zero2", tmp_path / "ck_zero2", strategy(True), 2, 2 * STEPS,
+                   ckpt_path=tmp_path / "ck_zero" / "last.ckpt")
+    for a, b in zip(zero, plain):
+        torch.testing.assert_close(a["losses"], b["losses"], rtol=1e-5, atol=1e-6)
+        for name, value in b["params"].items():
+            torch.testing.assert_close(a["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_full_checkpoint_file_at_tp2_is_refused_at_setup():
+    strategy = lightning_mp.SMPStrategy(tensor_parallel_degree=2, start_method="spawn", save_distributed_checkpoint=False)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False)
+    with pytest.raises(Exception, match=r"save_distributed_checkpoint=False is not supported with tensor_parallel_degree > 1"):
+        trainer.fit(AdamLM())
 
 
 def test_plain_lightning_checkpoint_resumes_under_smp_pp2(tmp_path):

@@ -44,7 +44,7 @@ from lightning_mp.init import delay_param_initialization
 from lightning_mp.strategy import _checkpoint
 from lightning_mp.strategy import _tp
 from lightning_mp.strategy._exit import release_at_exit
-from lightning_mp.strategy._launch import apply_thread_policy, make_launcher
+from lightning_mp.strategy._launch import apply_thread_policy, make_launcher, resolve_resume_path
 from lightning_mp.strategy._metrics import sync_metrics_over
 from lightning_mp.strategy._precision import install_synced_scaler, loss_scale_of
 from lightning_mp.strategy._reducer import GradientReducer
@@ -114,9 +114,9 @@ class SMPStrategy(ParallelStrategy):
             shards per checkpoint (every rank writes its own part; resumable at any layout); ``False`` writes one
             full Lightning checkpoint file from global rank 0, which ``Model.load_from_checkpoint`` and any other
             strategy read. Either kind resumes an ``smp`` run, as does a plain Lightning checkpoint file.
-        replan_on_resume: a run resumed with ``fit(ckpt_path=...)`` reuses the partition plan saved in that
-            checkpoint when it fits the model and ``pipeline_parallel_degree`` (else it plans anew, and says so);
-            ``True`` always plans anew.
+        replan_on_resume: a run resumed with ``fit(ckpt_path=...)`` (a path, or ``"last"``/``"best"`` as Lightning
+            resolves them) reuses the partition plan saved in that checkpoint when it fits the model and
+            ``pipeline_parallel_degree`` (else it plans anew, and says so); ``True`` always plans anew.
         delayed_parameter_initialization: build the model of ``configure_model`` on meta; each rank allocates and
             initialises only its own stage, bitwise as an eager build (models built under
             ``lightning_mp.delay_param_initialization()`` or ``trainer.init_module(empty_init=True)`` are delayed
@@ -196,7 +196,7 @@ class SMPStrategy(ParallelStrategy):
         self._save_distributed_checkpoint = save_distributed_checkpoint
         self._param_order: list[str] | None = None  # the whole model's parameter FQNs, before placement
         self._replan_on_resume = replan_on_resume
-        self._resume_path: Path | None = None  # set by the launcher (see `resume_path_of` in _launch.py)
+        self._resume_path: str | Path | None = None  # set by the launcher (see `resume_path_of` in _launch.py)
         self.num_nodes = 1
         self._topology: Topology | None = None
         self._device_mesh: DeviceMesh | None = None
@@ -452,6 +452,8 @@ class SMPStrategy(ParallelStrategy):
                 "The 'smp' strategy runs backward inside the pipeline, so manual optimization"
                 " (`self.automatic_optimization = False`) is not supported. Use automatic optimization."
             )
+        if not self._save_distributed_checkpoint and self.config.tensor_parallel_degree > 1:
+            raise ValueError(_FULL_FILE_AT_TP.format(what="save_distributed_checkpoint=False"))
         if self.config.trace_execution_times and is_delayed(module):
             raise ValueError(
                 "trace_execution_times=True cannot time a model built under delayed parameter initialisation (it is"
@@ -474,9 +476,9 @@ class SMPStrategy(ParallelStrategy):
             self._plan = load_plan(self.config.partition_plan, module, self.config.pipeline_parallel_degree)
             rank_zero_info(f"lightning_mp: reusing the partition plan from {self.config.partition_plan}")
         elif (
-            self._resume_path is not None
-            and not self._replan_on_resume
-            and (saved := plan_saved_in(self._resume_path, module, self.config.pipeline_parallel_degree)) is not None
+            not self._replan_on_resume
+            and (resume := resolve_resume_path(self._resume_path, trainer)) is not None
+            and (saved := plan_saved_in(resume, module, self.config.pipeline_parallel_degree)) is not None
         ):
             self._plan = saved
         else:
@@ -744,6 +746,13 @@ class SMPStrategy(ParallelStrategy):
         if self._save_distributed_checkpoint:
             _checkpoint.save_checkpoint(checkpoint, path, self.is_global_zero)
             return
+        if self._sharded_optimizers():  # ZeRO-1: each dp rank holds a share of its stage's optimizer state
+            group = self.device_mesh.get_group(MeshAxis.DP.value)
+            merged = _checkpoint.gather_sharded_optimizer_states(
+                checkpoint.get("optimizer_states", []), group, dist.get_global_rank(group, 0)
+            )
+            if merged is not None:
+                checkpoint["optimizer_states"] = merged
         if self.topology.dp_rank == 0 and self.topology.tp_rank == 0:  # replica 0's stages hold the whole model
             assert self._param_order is not None
             _checkpoint.save_full_checkpoint(
@@ -752,6 +761,9 @@ class SMPStrategy(ParallelStrategy):
             )
         self.barrier("save_checkpoint")
 
+    def _sharded_optimizers(self) -> bool:
+        return any(local_optimizer(_unwrap(o)) is not _unwrap(o) for o in self.optimizers)
+
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
@@ -759,9 +771,11 @@ class SMPStrategy(ParallelStrategy):
         local = [local_optimizer(o) for o in optimizers]
         if path.is_file():  # one full file: a plain Lightning checkpoint, or save_distributed_checkpoint=False
             assert self._param_order is not None
+            if self.topology.tensor_parallel_degree > 1:
+                raise ValueError(_FULL_FILE_AT_TP.format(what=f"load {path} (one full checkpoint file)"))
             checkpoint = _checkpoint.load_full_checkpoint(
-                path, self.model, local, self._param_order, self.device_mesh.get_group(MeshAxis.PP.value),
-                strict=self.lightning_module.strict_loading, weights_only=weights_only,
+                path, self.model, optimizers, self._param_order, self.device_mesh.get_group(MeshAxis.PP.value),
+                strict=self.lightning_module.strict_loading, weights_only=weights_only, local_optimizers=local,
             )
         else:
             checkpoint = _checkpoint.load_checkpoint(
@@ -803,6 +817,13 @@ class SMPStrategy(ParallelStrategy):
 # ``n / sum(n)``: one process's maths on the batch. A microbatch with ``n == 0`` runs no backward. Without
 # ``num_tokens`` the loss is the mean of the microbatch losses. Data-parallel replicas then average their
 # gradients as under ``ddp`` (each replica's batch is normalised by its own count).
+
+
+_FULL_FILE_AT_TP = (
+    "{what} is not supported with tensor_parallel_degree > 1 yet: a full file holds every parameter whole under its"
+    " one-device name, and tensor-parallel shards are not gathered into whole tensors (nor split back) yet. Use"
+    " save_distributed_checkpoint=True (DCP folders, which resume at any layout), or tensor_parallel_degree=1."
+)
 
 
 def _steps_optimizer(trainer: pl.Trainer) -> bool:
