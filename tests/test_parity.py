@@ -73,7 +73,8 @@ NUM_CLASSES, TRAIN_SIZE, VAL_SIZE, BATCH = 3, 32, 24, 8
 
 
 class Classifier(L.LightningModule):
-    """Logs a torchmetrics Accuracy (on step and epoch) and MeanSquaredError, and a plain tensor with sync_dist."""
+    """Logs a torchmetrics Accuracy (on step and epoch) and MeanSquaredError, and a plain tensor with sync_dist;
+    computes a MeanAbsoluteError by hand at epoch end."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -81,6 +82,7 @@ class Classifier(L.LightningModule):
         self.train_acc = torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES, average="micro")
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES, average="micro")
         self.val_mse = torchmetrics.MeanSquaredError()
+        self.val_mae = torchmetrics.MeanAbsoluteError()  # updated per step, never passed to self.log: see below
 
     def training_step(self, batch, batch_idx):
         x, y, target = batch
@@ -97,6 +99,11 @@ class Classifier(L.LightningModule):
         self.val_acc(logits, y)
         self.val_mse(logits[:, 0], target)
         self.log_dict({"val_acc": self.val_acc, "val_mse": self.val_mse})
+        self.val_mae(logits[:, 1], target)
+
+    def on_validation_epoch_end(self):  # computed by hand on every rank: every rank must hold the whole state
+        self.log("val_mae", self.val_mae.compute())
+        self.val_mae.reset()
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.5)
@@ -171,7 +178,7 @@ def _assert_runs_match(got: dict, expected: dict, what: str) -> None:
     for key in ("losses", "step_acc"):
         torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-6, msg=f"{what}: {key}")
     assert sorted(got["metrics"]) == sorted(expected["metrics"]), what
-    for key, value in expected["metrics"].items():  # val_acc, val_mse, train_acc_epoch, train_loss_epoch, ...
+    for key, value in expected["metrics"].items():  # val_acc, val_mse, val_mae, train_acc_epoch, train_loss_epoch, ...
         torch.testing.assert_close(got["metrics"][key], value, rtol=1e-5, atol=1e-6, msg=f"{what}: {key}")
 
 

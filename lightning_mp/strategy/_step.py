@@ -25,7 +25,13 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torchmetrics import Metric
 
-from lightning_mp.strategy._metrics import MetricCalls, MetricLog, load_metric_log
+from lightning_mp.strategy._metrics import (
+    MetricCalls,
+    MetricLog,
+    load_metric_log,
+    metric_update_counts,
+    unlogged_states,
+)
 
 __all__ = ["GradientStash", "LogRecorder", "StepSummary", "all_reduce_gradients", "detach_cpu", "replay_logs"]
 
@@ -54,11 +60,14 @@ class StepSummary:
         logs: the logged values, reduced over microbatches.
         num_tokens: with token-weighted losses (see [Note: token-weighted losses]), the sum of the microbatches'
             ``num_tokens``; every stage divides its gradients of the step by it. ``None`` otherwise.
+        metric_states: the states of metrics the step updated but did not log (see [Note: metrics in a
+            pipelined step]); the other stages load them.
     """
 
     output: Any
     logs: list[tuple[str, Any, tuple, dict]] = field(default_factory=list)
     num_tokens: float | None = None
+    metric_states: list[MetricLog] = field(default_factory=list)
 
 
 class LogRecorder:
@@ -78,6 +87,7 @@ class LogRecorder:
 
     def __enter__(self) -> LogRecorder:
         self._module.log = self._record  # instance attribute shadows the method
+        self._counts_before = metric_update_counts(self._module)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -129,6 +139,11 @@ class LogRecorder:
                 value = value[0]
             logs.append((call.name, value.to(torch.float32), call.args, call.kwargs))
         return logs + self._metrics.logs(self._module)
+
+
+    def unlogged_metric_states(self) -> list[MetricLog]:
+        """After the step: the states of the module's metrics it updated without logging them."""
+        return unlogged_states(self._module, self._counts_before, self._metrics.logged_ids())
 
 
 def _loggable_value(value: Any) -> Any:

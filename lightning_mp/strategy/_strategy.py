@@ -45,7 +45,7 @@ from lightning_mp.strategy import _checkpoint
 from lightning_mp.strategy import _tp
 from lightning_mp.strategy._exit import release_at_exit
 from lightning_mp.strategy._launch import apply_thread_policy, make_launcher, resolve_resume_path
-from lightning_mp.strategy._metrics import sync_metrics_over
+from lightning_mp.strategy._metrics import load_metric_log, sync_metrics_over
 from lightning_mp.strategy._precision import install_synced_scaler, loss_scale_of
 from lightning_mp.strategy._reducer import GradientReducer
 from lightning_mp.strategy._summary import (
@@ -639,10 +639,12 @@ class SMPStrategy(ParallelStrategy):
                         loss_fn=partial(_scaled_loss, scale=loss_scale),
                         backward=loss_scale is not None,
                     )
-                summary = _summarize(outputs, recorder)
+                summary = _summarize(outputs, recorder, send_metric_states=self.topology.pipeline_parallel_degree > 1)
                 session.finish(summary)
             else:
                 summary = session.serve()
+                for state in summary.metric_states:  # see [Note: metrics in a pipelined step]
+                    load_metric_log(module, state)
         model_parallel = self.topology.pipeline_parallel_degree * self.topology.tensor_parallel_degree > 1
         dp_group = self.device_mesh.get_group(MeshAxis.DP.value) if model_parallel else None  # sync over replicas
         replay_logs(module, summary.logs, dp_group)
@@ -876,11 +878,13 @@ def _scaled_loss(output: Any, scale: _LossScale | None) -> Tensor | None:
     return None if n == 0 else loss * (n * scale.grad_scale) / scale.accumulate
 
 
-def _summarize(outputs: list[Any], recorder: LogRecorder) -> StepSummary:
-    """Merge the microbatch outputs and logged values; token-weighted when the step returns ``num_tokens``."""
+def _summarize(outputs: list[Any], recorder: LogRecorder, send_metric_states: bool) -> StepSummary:
+    """Merge the microbatch outputs and logged values; token-weighted when the step returns ``num_tokens``.
+    ``send_metric_states``: other stages exist, to which the states of unlogged updated metrics go."""
     counts = [_num_tokens(o) for o in outputs]
+    states = recorder.unlogged_metric_states() if send_metric_states else []
     if all(n is None for n in counts):
-        return StepSummary(merge_microbatches([detach_cpu(o) for o in outputs]), recorder.reduced())
+        return StepSummary(merge_microbatches([detach_cpu(o) for o in outputs]), recorder.reduced(), metric_states=states)
     if any(n is None for n in counts):
         raise ValueError(
             "Some microbatches returned `num_tokens` and others did not; a step that weights its loss by tokens must"
@@ -895,7 +899,7 @@ def _summarize(outputs: list[Any], recorder: LogRecorder) -> StepSummary:
         weighted = torch.tensor(float("nan"), dtype=torch.float64)
     dtype = outputs[0]["loss"].dtype
     merged["loss"] = weighted.to(dtype if dtype.is_floating_point else torch.float32)
-    return StepSummary(merged, recorder.reduced(weights=counts), num_tokens=total)
+    return StepSummary(merged, recorder.reduced(weights=counts), num_tokens=total, metric_states=states)
 
 
 def _unwrap(optimizer: Any) -> Optimizer:
