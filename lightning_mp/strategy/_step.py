@@ -5,7 +5,9 @@
 calls ``zero_grad`` and ``backward``: so that ``zero_grad`` cannot wipe the pipeline's gradients,
 :class:`GradientStash` moves them aside during the step and ``SMPStrategy.backward`` adds them back, exactly
 where an eager ``loss.backward()`` would have accumulated them. The data-parallel all-reduce runs once per
-optimizer step (after the last accumulated batch), in ``SMPStrategy.optimizer_step``. ``self.log`` calls made once per microbatch are
+optimizer step (on the last accumulated batch): in buckets launched during that batch's backward and waited for in
+``SMPStrategy.optimizer_step`` (see [Note: overlapped gradient all-reduce] in ``_reducer.py``), or, when that is not
+possible, there after backward (:func:`all_reduce_gradients`). ``self.log`` calls made once per microbatch are
 recorded by :class:`LogRecorder`, reduced over microbatches on the driver, sent to every stage with the step's
 summary, and replayed once per step on every rank, so logs, the progress bar and ``ModelCheckpoint(monitor=)``
 agree on all ranks as with DDP.

@@ -681,7 +681,9 @@ class SMPStrategy(ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Step after the data-parallel gradient all-reduce (once per optimizer step, after accumulation)."""
+        """Step after the data-parallel gradient all-reduce (once per optimizer step, after accumulation): the
+        buckets launched during backward are waited for here (see [Note: overlapped gradient all-reduce]), else
+        the gradients are all-reduced now."""
         if self.topology.data_parallel_degree == 1 and self.topology.tensor_parallel_degree == 1:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
