@@ -4,13 +4,19 @@ when one rank's gradients do not arrive once per parameter."""
 
 from __future__ import annotations
 
+import os
+
+import lightning as L
 import pytest
 import torch
 from torch import nn
 
+import lightning_mp
+from lightning_mp.strategy import _reducer
 from lightning_mp.strategy._reducer import GradientReducer, _make_buckets
 from lightning_mp.strategy._step import GradientStash, all_reduce_gradients
 from tests._dist import run_distributed
+from tests.test_strategy import CLIP, _fit
 
 
 class _Net(nn.Module):
@@ -125,3 +131,39 @@ def test_buckets_follow_ddp_reverse_order_and_caps():
     # reverse order, one dtype per bucket, a first bucket per dtype: 5+20 floats fill the first 100 bytes, 300 + 10
     # floats are over the 1210-byte cap
     assert as_sizes == [[4], [5, 20], [300], [10]]
+
+
+class _RecordReducer(L.Callback):
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_train_end(self, trainer, pl_module):
+        reducer = trainer.strategy._reducer
+        torch.save({"enabled": reducer.enabled, "in_backward": reducer.launched_during_backward},
+                   os.path.join(self.out_dir, f"reducer{trainer.global_rank}.pt"))
+
+
+def test_pp2_dp2_buckets_go_out_during_backward_and_training_matches_one_process(tmp_path, monkeypatch):
+    """Small buckets, so most of them leave from the gradient hooks of both stages (the tied embedding's after its
+    ordered accumulation of 4 microbatches), with gradient accumulation over 2 batches and norm clipping after the
+    wait: losses and parameters as one device's."""
+    torch.set_num_threads(1)  # before forking (a forked child can hang in OpenMP otherwise)
+    monkeypatch.setattr(_reducer, "FIRST_BUCKET_BYTES", 64)  # fork: the children see the patched module
+    monkeypatch.setattr(_reducer, "BUCKET_BYTES", 512)
+    kwargs = {"accumulate_grad_batches": 2, **CLIP}
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "smp").mkdir()
+    reference = _fit("tiedlm", str(tmp_path / "ref"), **kwargs)[0]
+    strategy = lightning_mp.SMPStrategy(pipeline_parallel_degree=2, microbatches=4, start_method="fork")
+    results = _fit("tiedlm", str(tmp_path / "smp"), strategy, devices=4,
+                   callbacks_extra=[_RecordReducer(str(tmp_path / "smp"))], **kwargs)
+    for rank in range(4):
+        record = torch.load(tmp_path / "smp" / f"reducer{rank}.pt")
+        assert record["enabled"] and record["in_backward"] > 0, (rank, record)
+    pp = 2
+    replicas = [results[r * pp : (r + 1) * pp] for r in range(2)]
+    mean_losses = torch.tensor([replica[0]["losses"] for replica in replicas]).mean(0).tolist()
+    torch.testing.assert_close(mean_losses, reference["losses"], rtol=1e-5, atol=1e-6)
+    for result in results:
+        for name, value in result["params"].items():
+            torch.testing.assert_close(value, reference["params"][name], rtol=1e-5, atol=1e-6, msg=name)

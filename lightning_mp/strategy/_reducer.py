@@ -67,7 +67,8 @@ class GradientReducer:
             microbatch's gradient is summed into ``param.grad`` (``PipelineEngine.gradient_complete``).
         previous: ``previous(param)``: the gradient of the accumulation window's earlier batches, set aside during
             the step (``GradientStash.previous``), or ``None``.
-        first_bucket_bytes, bucket_bytes: bucket capacities (DDP's defaults: 1 MiB, then 25 MiB).
+        first_bucket_bytes, bucket_bytes: bucket capacities (``None``: ``FIRST_BUCKET_BYTES``, ``BUCKET_BYTES``, DDP's
+            1 MiB and 25 MiB).
     """
 
     def __init__(
@@ -77,19 +78,25 @@ class GradientReducer:
         size: int,
         is_complete: Callable[[nn.Parameter, int], bool],
         previous: Callable[[nn.Parameter], torch.Tensor | None],
-        first_bucket_bytes: int = FIRST_BUCKET_BYTES,
-        bucket_bytes: int = BUCKET_BYTES,
+        first_bucket_bytes: int | None = None,
+        bucket_bytes: int | None = None,
     ) -> None:
         self._group, self._size = group, size
         self._is_complete, self._previous = is_complete, previous
         self._lock = threading.Lock()
-        self._buckets = _make_buckets([p for p in params if p.requires_grad], first_bucket_bytes, bucket_bytes)
+        self._buckets = _make_buckets(
+            [p for p in params if p.requires_grad],
+            FIRST_BUCKET_BYTES if first_bucket_bytes is None else first_bucket_bytes,
+            BUCKET_BYTES if bucket_bytes is None else bucket_bytes,
+        )
         self._bucket_of = {p: i for i, b in enumerate(self._buckets) for p in b.params}
         self._microbatches = 0
         self._armed = False
         self._enabled = bool(self._buckets)
         self._launched = 0  # buckets 0.._launched-1 are in flight this step
         self._surprises = 0
+        self.launched_during_backward = 0
+        """How many buckets went out from gradient hooks (before ``flush``) since construction: a diagnostic."""
         for param in self._bucket_of:
             param.register_post_accumulate_grad_hook(self._on_gradient)
 
@@ -185,6 +192,7 @@ class GradientReducer:
             last = len(self._buckets) - 1  # launched by `flush`, with the surprise count
             while self._launched < last and self._buckets[self._launched].pending == 0:
                 self._launch(self._launched)
+                self.launched_during_backward += 1
 
     def _launch(self, index: int) -> None:
         """Start bucket ``index``'s all-reduce (the lock is held): gradients so far, presence flags, [surprises]."""
