@@ -73,7 +73,8 @@ NUM_CLASSES, TRAIN_SIZE, VAL_SIZE, BATCH = 3, 32, 24, 8
 
 
 class Classifier(L.LightningModule):
-    """Logs a torchmetrics Accuracy (on step and epoch) and MeanSquaredError, and a plain tensor with sync_dist."""
+    """Logs a torchmetrics Accuracy (on step and epoch) and MeanSquaredError, and a plain tensor with sync_dist;
+    computes a MeanAbsoluteError by hand at epoch end."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -81,6 +82,7 @@ class Classifier(L.LightningModule):
         self.train_acc = torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES, average="micro")
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES, average="micro")
         self.val_mse = torchmetrics.MeanSquaredError()
+        self.val_mae = torchmetrics.MeanAbsoluteError()  # updated per step, never passed to self.log: see below
 
     def training_step(self, batch, batch_idx):
         x, y, target = batch
@@ -97,6 +99,11 @@ class Classifier(L.LightningModule):
         self.val_acc(logits, y)
         self.val_mse(logits[:, 0], target)
         self.log_dict({"val_acc": self.val_acc, "val_mse": self.val_mse})
+        self.val_mae(logits[:, 1], target)
+
+    def on_validation_epoch_end(self):  # computed by hand on every rank: every rank must hold the whole state
+        self.log("val_mae", self.val_mae.compute())
+        self.val_mae.reset()
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.5)
@@ -171,7 +178,7 @@ def _assert_runs_match(got: dict, expected: dict, what: str) -> None:
     for key in ("losses", "step_acc"):
         torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-6, msg=f"{what}: {key}")
     assert sorted(got["metrics"]) == sorted(expected["metrics"]), what
-    for key, value in expected["metrics"].items():  # val_acc, val_mse, train_acc_epoch, train_loss_epoch, ...
+    for key, value in expected["metrics"].items():  # val_acc, val_mse, val_mae, train_acc_epoch, train_loss_epoch, ...
         torch.testing.assert_close(got["metrics"][key], value, rtol=1e-5, atol=1e-6, msg=f"{what}: {key}")
 
 
@@ -233,6 +240,17 @@ def _fit_lm(out_dir: Path, ckpt_dir: Path, strategy: Any, devices: int, max_step
     return [torch.load(out_dir / f"{rank}.pt") for rank in range(devices)]
 
 
+@pytest.fixture(scope="module")
+def lm_reference(tmp_path_factory) -> dict[str, Any]:
+    """One device: STEPS steps saving ``last.ckpt`` (a plain Lightning checkpoint), then a run resumed from it to
+    2 x STEPS. Shared by the checkpoint tests below."""
+    root = tmp_path_factory.mktemp("lm_reference")
+    first = _fit_lm(root / "ref", root / "ck_ref", "auto", 1, STEPS)[0]
+    resumed = _fit_lm(root / "ref2", root / "ck_ref2", "auto", 1, 2 * STEPS, ckpt_path=root / "ck_ref" / "last.ckpt")[0]
+    assert len(resumed["losses"]) == STEPS, "the reference resumed at step STEPS"
+    return {"first": first, "resumed": resumed, "last": root / "ck_ref" / "last.ckpt"}
+
+
 def _assert_same_checkpoint(got: dict, expected: dict) -> None:
     for key in ("epoch", "global_step"):
         assert got[key] == expected[key], key
@@ -255,37 +273,58 @@ def _full_file_strategy() -> lightning_mp.SMPStrategy:
     )
 
 
-def test_full_checkpoint_file_at_pp2_is_a_plain_lightning_checkpoint(tmp_path, capfd):
+def test_full_checkpoint_file_at_pp2_is_a_plain_lightning_checkpoint(tmp_path, capfd, lm_reference):
     """save_distributed_checkpoint=False at pp=2 writes the file one device writes; load_from_checkpoint reads it;
-    resuming from it reuses the partition plan saved in it and continues as one device does."""
-    reference = _fit_lm(tmp_path / "ref", tmp_path / "ck_ref", "auto", 1, STEPS)[0]
+    resuming from it (``ckpt_path="last"``) reuses the partition plan saved in it and continues as one device does."""
+    capfd.readouterr()
     _fit_lm(tmp_path / "smp", tmp_path / "ck", _full_file_strategy(), 2, STEPS)
     assert "reusing the partition plan" not in "".join(capfd.readouterr()), "a fresh run plans"
     assert (tmp_path / "ck" / "last.ckpt").is_file()
-    got, expected = (torch.load(p / "last.ckpt", weights_only=False) for p in (tmp_path / "ck", tmp_path / "ck_ref"))
+    got, expected = (torch.load(p, weights_only=False) for p in (tmp_path / "ck" / "last.ckpt", lm_reference["last"]))
     _assert_same_checkpoint(got, expected)
     model = AdamLM.load_from_checkpoint(tmp_path / "ck" / "last.ckpt", map_location="cpu")
     for name, value in model.named_parameters():
-        torch.testing.assert_close(value, reference["params"][name], rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(value, lm_reference["first"]["params"][name], rtol=1e-5, atol=1e-6, msg=name)
 
-    resumed_reference = _fit_lm(tmp_path / "ref2", tmp_path / "ck_ref2", "auto", 1, 2 * STEPS,
-                                ckpt_path=tmp_path / "ck_ref" / "last.ckpt")[0]
-    resumed = _fit_lm(tmp_path / "smp2", tmp_path / "ck2", _full_file_strategy(), 2, 2 * STEPS,
-                      ckpt_path=tmp_path / "ck" / "last.ckpt")
+    # "last", resolved by Lightning in each process (the path itself is resumed in test_strategy's resume test)
+    resumed = _fit_lm(tmp_path / "smp2", tmp_path / "ck", _full_file_strategy(), 2, 2 * STEPS, ckpt_path="last")
     out = "".join(capfd.readouterr())  # Lightning's rank-zero info goes to stderr
     assert f"reusing the partition plan from {tmp_path / 'ck' / 'last.ckpt'}" in out
     for result in resumed:
-        torch.testing.assert_close(result["losses"], resumed_reference["losses"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(result["losses"], lm_reference["resumed"]["losses"], rtol=1e-5, atol=1e-6)
 
 
-def test_plain_lightning_checkpoint_resumes_under_smp_pp2(tmp_path):
+def test_full_checkpoint_file_gathers_sharded_optimizer_state(tmp_path, lm_reference):
+    """ZeRO-1 at dp=2 with save_distributed_checkpoint=False: the file holds every parameter's Adam state (gathered
+    over the data-parallel ranks) as one device writes it, and a ZeRO run resumes from it as one device resumes.
+    (Each replica reads its half of the global batch, as in test_strategy: the mean over replicas is one device's.)"""
+    strategy = lightning_mp.SMPStrategy(start_method="spawn", save_distributed_checkpoint=False, shard_optimizer_state=True)
+    _fit_lm(tmp_path / "zero", tmp_path / "ck", strategy, 2, STEPS)
+    got, expected = (torch.load(p, weights_only=False) for p in (tmp_path / "ck" / "last.ckpt", lm_reference["last"]))
+    _assert_same_checkpoint(got, expected)
+    strategy = lightning_mp.SMPStrategy(start_method="spawn", save_distributed_checkpoint=False, shard_optimizer_state=True)
+    resumed = _fit_lm(tmp_path / "zero2", tmp_path / "ck2", strategy, 2, 2 * STEPS, ckpt_path=tmp_path / "ck" / "last.ckpt")
+    reference = lm_reference["resumed"]
+    mean_losses = torch.tensor([result["losses"] for result in resumed]).mean(0).tolist()
+    torch.testing.assert_close(mean_losses, reference["losses"], rtol=1e-5, atol=1e-6)
+    for result in resumed:
+        for name, value in result["params"].items():
+            torch.testing.assert_close(value, reference["params"][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_full_checkpoint_file_at_tp2_is_refused_at_setup():
+    torch.set_num_threads(1)  # before forking (a forked child can hang in OpenMP otherwise)
+    strategy = lightning_mp.SMPStrategy(tensor_parallel_degree=2, start_method="fork", save_distributed_checkpoint=False)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False)
+    with pytest.raises(Exception, match=r"save_distributed_checkpoint=False is not supported with tensor_parallel_degree > 1"):
+        trainer.fit(AdamLM())
+
+
+def test_plain_lightning_checkpoint_resumes_under_smp_pp2(tmp_path, lm_reference):
     """A one-device Lightning checkpoint (weights, Adam state, loops) resumes an smp pp=2 run, as on one device."""
-    _fit_lm(tmp_path / "ref1", tmp_path / "ck_ref", "auto", 1, STEPS)
-    plain = tmp_path / "ck_ref" / "last.ckpt"
-    reference = _fit_lm(tmp_path / "ref2", tmp_path / "ck_ref2", "auto", 1, 2 * STEPS, ckpt_path=plain)[0]
+    reference = lm_reference["resumed"]
     strategy = lightning_mp.SMPStrategy(pipeline_parallel_degree=2, microbatches=2, start_method="spawn")
-    resumed = _fit_lm(tmp_path / "smp", tmp_path / "ck", strategy, 2, 2 * STEPS, ckpt_path=plain)
-    assert len(reference["losses"]) == STEPS, "the reference resumed at step 3"
+    resumed = _fit_lm(tmp_path / "smp", tmp_path / "ck", strategy, 2, 2 * STEPS, ckpt_path=lm_reference["last"])
     for result in resumed:
         torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-5, atol=1e-6)
     got = {name: value for result in resumed for name, value in result["params"].items()}

@@ -583,3 +583,14 @@ def test_token_weighted_loss_with_gradient_accumulation_equals_one_process(tmp_p
     results = fit(str(tmp_path / "smp"), "padded", smp(2, 4), devices=2, accumulate_grad_batches=2)
     torch.testing.assert_close(results[0]["losses"], reference["losses"], **TOL)
     assert_state_equal(merged_state(results), reference["state"])
+
+
+def test_token_weighted_loss_with_data_parallel_equals_one_process(tmp_path):
+    """pp=1 x dp=2, both replicas reading the same batches: each replica divides its gradients by its own token
+    count after the step, so they cannot be all-reduced during backward (the first step's buckets are dropped on
+    every rank, see [Note: overlapped gradient all-reduce]); all-reduced after it, they are one process's."""
+    reference = fit(str(tmp_path / "ref"), "padded")[0]
+    results = fit(str(tmp_path / "smp"), "padded", smp(1, 4), devices=2)
+    for result in results:
+        torch.testing.assert_close(result["losses"], reference["losses"], **TOL)
+        assert_state_equal(result["state"], reference["state"])

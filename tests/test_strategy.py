@@ -196,7 +196,7 @@ def _fit_with_checkpoint(out_dir: str, ckpt_dir: str, strategy, devices: int, ma
 
 
 @pytest.mark.parametrize("resume_pp", [2, 1], ids=["resume-same-layout", "resume-pp2-as-pp1"])
-def test_checkpoint_resume_matches_one_process(tmp_path, resume_pp):
+def test_checkpoint_resume_matches_one_process(tmp_path, capfd, resume_pp):
     """Save after one epoch with pp=2 (parameters and SGD momentum, keyed by FQN), resume for a second epoch.
 
     The reference is plain Lightning on one device doing the same save and resume.
@@ -220,6 +220,8 @@ def test_checkpoint_resume_matches_one_process(tmp_path, resume_pp):
         str(tmp_path / "second"), str(tmp_path / "ck2"), smp(resume_pp), resume_pp, 2 * STEPS,
         ckpt_path=str(tmp_path / "ck" / "last"),
     )
+    reused = f"reusing the partition plan from {tmp_path / 'ck' / 'last'}" in "".join(capfd.readouterr())
+    assert reused == (resume_pp == 2), "the same layout reuses the saved plan; pp=1 has none to reuse"
     torch.testing.assert_close(resumed[0]["losses"], reference["losses"], rtol=1e-5, atol=1e-6)
     got = {name: value for result in resumed for name, value in result["params"].items()}
     assert sorted(got) == sorted(reference["params"])

@@ -271,6 +271,16 @@ class PipelineEngine:
         if self.num_stages > 1:  # one stage runs its microbatches one after the other anyway
             self.gradients.register(p for p in model.parameters() if p is not None)
 
+    def gradient_complete(self, param: nn.Parameter, microbatches: int) -> bool:
+        """Inside a parameter's gradient hook: has every one of ``microbatches`` microbatches been summed into its
+        ``.grad``? With several stages the ordered accumulation knows; with one, microbatches run in order, so the
+        last microbatch's contribution is the last (``False`` where the hook runs outside a microbatch's task, e.g.
+        on an accelerator's autograd thread)."""
+        ordered = self.gradients.complete(param, microbatches)
+        if ordered is not None:
+            return ordered
+        return _current_microbatch() == microbatches - 1
+
     def _hook_calls(
         self,
         modules: list[tuple[str, nn.Module]],

@@ -50,6 +50,13 @@ class OrderedGradients:
             param.register_hook(self._incoming(param))
             param.register_post_accumulate_grad_hook(self._accumulated)
 
+    def complete(self, param: nn.Parameter, microbatches: int) -> bool | None:
+        """Whether microbatches ``0..microbatches-1`` have all been accumulated into ``param.grad`` (nothing of them
+        kept aside); ``None`` if ``param`` is not ordered here (one stage: microbatches run one after the other)."""
+        with self._lock:
+            order = self._orders.get(param)
+            return None if order is None else order.prefix >= microbatches
+
     def start_step(self) -> None:
         with self._lock:
             for param in self._orders:

@@ -44,11 +44,8 @@ def _get_states() -> list[torch.Tensor]:
     return [g.get_state() for g in _generators()]
 
 
-def _fingerprint(states: list[torch.Tensor]) -> bytes:
-    digest = hashlib.blake2b(digest_size=16)
-    for state in states:
-        digest.update(state.numpy().tobytes())
-    return digest.digest()
+def _same_states(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def _set_states(states: list[torch.Tensor]) -> None:
@@ -70,7 +67,7 @@ class MicrobatchRNG:
         self._step: Hashable | None = None
         self._outside: list[torch.Tensor] | None = None
         self._counts: dict[tuple, int] = {}
-        self._forward_calls: dict[tuple, list[int]] = {}  # (microbatch, name, caller's state) -> forward counts
+        self._forward_calls: dict[tuple, list[tuple[list[torch.Tensor], int]]] = {}  # (microbatch, name) -> (caller's state, n)
         self._generation = 0  # one per step: a thread's saved states of an earlier step are never restored
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -102,14 +99,17 @@ class MicrobatchRNG:
     ) -> None:
         key = (microbatch, name, recompute)
         # A recompute restores the random state its forward had, so the caller's state names the forward call it
-        # repeats: backward recomputes the calls of a module that runs twice per microbatch in reverse order.
-        where = None if caller is None else (microbatch, name, _fingerprint(caller))
+        # repeats: backward recomputes the calls of a module that runs twice per microbatch in reverse order. The
+        # forward keeps the caller's state itself (already a copy); only a recompute compares states.
         with self._lock:
             count = self._counts[key] = self._counts.get(key, 0) + 1
-            if where is not None and not recompute:
-                self._forward_calls.setdefault(where, []).append(count)
-            elif where is not None and self._forward_calls.get(where):
-                count = self._forward_calls[where].pop(0)
+            if caller is not None and not recompute:
+                self._forward_calls.setdefault((microbatch, name), []).append((caller, count))
+            elif caller is not None:
+                calls = self._forward_calls.get((microbatch, name), [])
+                match = next((i for i, (states, _) in enumerate(calls) if _same_states(states, caller)), None)
+                if match is not None:
+                    count = calls.pop(match)[1]
         seed = self._seed_for(microbatch, name, count)
         for generator in _generators():
             generator.manual_seed(seed)

@@ -33,6 +33,7 @@ from lightning_mp.nn._base import sharded_parameter_ranks
 __all__ = [
     "consolidate_checkpoint",
     "full_param_groups",
+    "gather_sharded_optimizer_states",
     "load_checkpoint",
     "load_full_checkpoint",
     "model_state_dict",
@@ -234,6 +235,19 @@ def _native_optimizer_state(
     return native
 
 
+def gather_sharded_optimizer_states(
+    states: list[dict[str, Any]], group: dist.ProcessGroup, dst: int
+) -> list[dict[str, Any]] | None:
+    """Under ZeRO-1 (``shard_optimizer_state``): every dp rank of a stage holds the state of its own share of the
+    stage's parameters, flattened and keyed by FQN (:func:`optimizer_state_dict`); merge them on global rank
+    ``dst`` of the stage's data-parallel ``group`` (the keys of two shares never overlap). ``None`` elsewhere."""
+    parts: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+    dist.gather_object(states, parts, dst=dst, group=group)
+    if parts is None:
+        return None
+    return [{key: value for part in parts for key, value in part[i].items()} for i in range(len(states))]
+
+
 def save_full_checkpoint(
     checkpoint: dict[str, Any], path: Path, model: nn.Module, optimizers: list[Optimizer], param_order: list[str],
     group: dist.ProcessGroup, checkpoint_io: Any | None,
@@ -254,17 +268,20 @@ def save_full_checkpoint(
 
 def load_full_checkpoint(
     path: Path, model: nn.Module, optimizers: list[Optimizer], param_order: list[str], group: dist.ProcessGroup,
-    *, strict: bool, weights_only: bool | None,
+    *, strict: bool, weights_only: bool | None, local_optimizers: list[Optimizer] | None = None,
 ) -> dict[str, Any]:
     """Load a full Lightning checkpoint file (one device's, or one written with ``save_distributed_checkpoint=False``).
 
     Each rank keeps the parameters, buffers and optimizer states of its own stage (see [Note: full checkpoint
     files]); every rank of the pipeline ``group`` must call this. Returns the rest (loops, callbacks, ...).
+    ``optimizers`` give the stage's param groups; under ZeRO-1 ``local_optimizers`` (each rank's share) receive
+    the states of their own parameters only.
 
     Raises:
         ValueError: if the file's optimizer groups do not have the sizes this model's optimizers have.
         RuntimeError: with ``strict``, if the file misses a parameter or buffer of this stage.
     """
+    local_optimizers = optimizers if local_optimizers is None else local_optimizers
     stages: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(stages, [param_groups_by_fqn(model, o) for o in optimizers], group=group)
     full_groups = [full_param_groups([stage[i] for stage in stages], param_order) for i in range(len(optimizers))]
@@ -275,7 +292,7 @@ def load_full_checkpoint(
     if missing and strict:
         raise RuntimeError(f"{path} has no entry for {missing[:5]} of this model; pass a checkpoint of this model.")
     model.load_state_dict({k: saved[k] for k in local_keys if k in saved}, strict=False)
-    for index, (optimizer, fqn_groups) in enumerate(zip(optimizers, full_groups)):
+    for index, (optimizer, fqn_groups) in enumerate(zip(local_optimizers, full_groups)):
         optimizer_states = checkpoint.get("optimizer_states", [])
         if index >= len(optimizer_states):
             break

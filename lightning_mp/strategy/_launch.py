@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,7 +28,7 @@ from lightning_mp.strategy._exit import SpawnLauncher
 if TYPE_CHECKING:
     from lightning_mp.strategy._strategy import SMPStrategy
 
-__all__ = ["apply_thread_policy", "make_launcher", "print_on_one_rank", "resume_path_of"]
+__all__ = ["apply_thread_policy", "make_launcher", "print_on_one_rank", "resolve_resume_path", "resume_path_of"]
 
 
 def make_launcher(strategy: SMPStrategy, start_method: str) -> _Launcher:
@@ -42,19 +43,45 @@ def make_launcher(strategy: SMPStrategy, start_method: str) -> _Launcher:
     return _Spawn(strategy, start_method=start_method)
 
 
-def resume_path_of(function: Callable, args: tuple, kwargs: dict) -> Path | None:
-    """The checkpoint a ``Trainer`` entry point (``_fit_impl``, ...) is about to resume from, if it is a path.
+def resume_path_of(function: Callable, args: tuple, kwargs: dict) -> str | Path | None:
+    """The ``ckpt_path`` a ``Trainer`` entry point (``_fit_impl``, ...) is about to resume from.
 
-    The strategy places modules before Lightning reads the checkpoint; knowing the path at launch lets it reuse
-    the checkpoint's partition plan. Names such as ``"last"`` or ``"best"`` are not resolved (``None``).
+    The strategy places modules before Lightning reads the checkpoint; knowing it at launch lets it reuse the
+    checkpoint's partition plan. A path is returned as a ``Path``; a name Lightning resolves in each process
+    (``"last"``, ``"best"``, ``"hpc"``, ``"registry"``) as the string, for the strategy to resolve at setup with
+    Lightning's own resolution (:func:`resolve_resume_path`); ``None`` otherwise.
     """
     try:
         ckpt_path = inspect.signature(function).bind(*args, **kwargs).arguments.get("ckpt_path")
     except TypeError:
         return None
-    if ckpt_path is None or not Path(str(ckpt_path)).exists():
+    if ckpt_path is None:
         return None
-    return Path(str(ckpt_path))
+    if Path(str(ckpt_path)).exists():
+        return Path(str(ckpt_path))
+    return str(ckpt_path) if isinstance(ckpt_path, str) else None
+
+
+def resolve_resume_path(request: str | Path | None, trainer: Any) -> Path | None:
+    """The checkpoint path ``request`` (from :func:`resume_path_of`) names, in this process at setup.
+
+    A name (``"last"``, ``"best"``, ...) goes through Lightning's own ``_parse_ckpt_path``, the call ``Trainer``
+    made moments before (so the same file; its warnings were given then and are not repeated). ``None`` when
+    nothing resolves to an existing path.
+    """
+    if request is None or isinstance(request, Path):
+        return request
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            resolved = trainer._checkpoint_connector._parse_ckpt_path(
+                trainer.state.fn, request, model_provided=True, model_connected=True
+            )
+    except Exception:  # Lightning raised on this name already, before setup; nothing to reuse
+        return None
+    if resolved is None or not Path(str(resolved)).exists():
+        return None
+    return Path(str(resolved))
 
 
 class _ScriptLauncher(_SubprocessScriptLauncher):

@@ -16,12 +16,15 @@ the driver (pipeline rank 0 of a replica) runs the step, once per microbatch; so
    the world (:func:`sync_metrics_over`): its stages hold the same state, so a world-wide sync would count each
    replica once per stage.
 
-A metric that is updated in a step but never passed to ``self.log`` is not sent: its state lives on the driver
-only. A metric with list ("cat") states sends its whole state every step.
+A metric that is updated in a step but not passed to ``self.log`` (the user calls ``compute()`` in an epoch-end
+hook, say) is sent too: its state after the step goes to every other stage with the summary (``unlogged_states``),
+so ``self.acc.compute()`` gives the same value on every rank, synced over data parallel, as under ``ddp``. A metric
+with list ("cat") states sends its whole state every step.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +32,7 @@ import torch
 from torch import Tensor, nn
 from torchmetrics import Metric
 
-__all__ = ["MetricCalls", "MetricLog", "load_metric_log", "sync_metrics_over"]
+__all__ = ["MetricCalls", "MetricLog", "load_metric_log", "metric_update_counts", "sync_metrics_over", "unlogged_states"]
 
 
 @dataclass
@@ -61,6 +64,10 @@ class MetricCalls:
         if metric._forward_cache is not None:
             values.append(metric._forward_cache.detach().cpu())
 
+    def logged_ids(self) -> set[int]:
+        """``id()`` of every metric object logged this step."""
+        return {id(metric) for metric, _, _, _ in self._metrics.values()}
+
     def logs(self, module: nn.Module) -> list[tuple[str, MetricLog, tuple, dict]]:
         """``(name, MetricLog, args, kwargs)`` per logged metric, in first-call order.
 
@@ -83,6 +90,31 @@ class MetricCalls:
             state = {key: _detach_cpu(getattr(metric, key)) for key in metric._defaults}
             out.append((name, MetricLog(names[id(metric)], forward_value, state, metric._update_count), args, kwargs))
         return out
+
+
+_METRICS: weakref.WeakKeyDictionary[nn.Module, list[tuple[str, Metric]]] = weakref.WeakKeyDictionary()
+
+
+def _metrics_of(module: nn.Module) -> list[tuple[str, Metric]]:
+    """``(fqn, metric)`` for every ``Metric`` of ``module`` (found once per module: metrics are made in ``__init__``)."""
+    found = _METRICS.get(module)
+    if found is None:
+        found = _METRICS[module] = [(fqn, m) for fqn, m in module.named_modules() if isinstance(m, Metric)]
+    return found
+
+
+def metric_update_counts(module: nn.Module) -> dict[str, int]:
+    """Each metric's ``_update_count`` (before a step, to see which ones the step updates)."""
+    return {fqn: metric._update_count for fqn, metric in _metrics_of(module)}
+
+
+def unlogged_states(module: nn.Module, before: dict[str, int], logged: set[int]) -> list[MetricLog]:
+    """The state of every metric the step updated (its update count changed) whose ``id()`` is not in ``logged``."""
+    return [
+        MetricLog(fqn, None, {key: _detach_cpu(getattr(metric, key)) for key in metric._defaults}, metric._update_count)
+        for fqn, metric in _metrics_of(module)
+        if id(metric) not in logged and metric._update_count != before.get(fqn)
+    ]
 
 
 def load_metric_log(module: nn.Module, log: MetricLog) -> Metric:

@@ -5,7 +5,9 @@
 calls ``zero_grad`` and ``backward``: so that ``zero_grad`` cannot wipe the pipeline's gradients,
 :class:`GradientStash` moves them aside during the step and ``SMPStrategy.backward`` adds them back, exactly
 where an eager ``loss.backward()`` would have accumulated them. The data-parallel all-reduce runs once per
-optimizer step (after the last accumulated batch), in ``SMPStrategy.optimizer_step``. ``self.log`` calls made once per microbatch are
+optimizer step (on the last accumulated batch): in buckets launched during that batch's backward and waited for in
+``SMPStrategy.optimizer_step`` (see [Note: overlapped gradient all-reduce] in ``_reducer.py``), or, when that is not
+possible, there after backward (:func:`all_reduce_gradients`). ``self.log`` calls made once per microbatch are
 recorded by :class:`LogRecorder`, reduced over microbatches on the driver, sent to every stage with the step's
 summary, and replayed once per step on every rank, so logs, the progress bar and ``ModelCheckpoint(monitor=)``
 agree on all ranks as with DDP.
@@ -25,7 +27,13 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torchmetrics import Metric
 
-from lightning_mp.strategy._metrics import MetricCalls, MetricLog, load_metric_log
+from lightning_mp.strategy._metrics import (
+    MetricCalls,
+    MetricLog,
+    load_metric_log,
+    metric_update_counts,
+    unlogged_states,
+)
 
 __all__ = ["GradientStash", "LogRecorder", "StepSummary", "all_reduce_gradients", "detach_cpu", "replay_logs"]
 
@@ -54,11 +62,14 @@ class StepSummary:
         logs: the logged values, reduced over microbatches.
         num_tokens: with token-weighted losses (see [Note: token-weighted losses]), the sum of the microbatches'
             ``num_tokens``; every stage divides its gradients of the step by it. ``None`` otherwise.
+        metric_states: the states of metrics the step updated but did not log (see [Note: metrics in a
+            pipelined step]); the other stages load them.
     """
 
     output: Any
     logs: list[tuple[str, Any, tuple, dict]] = field(default_factory=list)
     num_tokens: float | None = None
+    metric_states: list[MetricLog] = field(default_factory=list)
 
 
 class LogRecorder:
@@ -78,6 +89,7 @@ class LogRecorder:
 
     def __enter__(self) -> LogRecorder:
         self._module.log = self._record  # instance attribute shadows the method
+        self._counts_before = metric_update_counts(self._module)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -131,6 +143,11 @@ class LogRecorder:
         return logs + self._metrics.logs(self._module)
 
 
+    def unlogged_metric_states(self) -> list[MetricLog]:
+        """After the step: the states of the module's metrics it updated without logging them."""
+        return unlogged_states(self._module, self._counts_before, self._metrics.logged_ids())
+
+
 def _loggable_value(value: Any) -> Any:
     """A tensor or number for one microbatch (``Metric`` objects are recorded apart, see ``_metrics``)."""
     if isinstance(value, torch.Tensor):
@@ -175,6 +192,10 @@ class GradientStash:
         self._pipeline = {}
         for p in self._previous:
             p.grad = None
+
+    def previous(self, param: nn.Parameter) -> torch.Tensor | None:
+        """During the pipelined step: the gradient ``param`` had before it (the accumulation window's so far)."""
+        return self._previous.get(param)
 
     def end(self) -> None:
         """After the pipelined step: take its gradients and put back the ones from before."""

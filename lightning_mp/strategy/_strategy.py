@@ -45,9 +45,10 @@ from lightning_mp.memory._host import fix_mmap_threshold, trim_host_memory
 from lightning_mp.strategy import _checkpoint
 from lightning_mp.strategy import _tp
 from lightning_mp.strategy._exit import release_at_exit
-from lightning_mp.strategy._launch import apply_thread_policy, make_launcher
-from lightning_mp.strategy._metrics import sync_metrics_over
+from lightning_mp.strategy._launch import apply_thread_policy, make_launcher, resolve_resume_path
+from lightning_mp.strategy._metrics import load_metric_log, sync_metrics_over
 from lightning_mp.strategy._precision import install_synced_scaler, loss_scale_of
+from lightning_mp.strategy._reducer import GradientReducer
 from lightning_mp.strategy._summary import (
     gather_parameter_counts,
     silence_single_replica_sync_advice,
@@ -114,9 +115,9 @@ class SMPStrategy(ParallelStrategy):
             shards per checkpoint (every rank writes its own part; resumable at any layout); ``False`` writes one
             full Lightning checkpoint file from global rank 0, which ``Model.load_from_checkpoint`` and any other
             strategy read. Either kind resumes an ``smp`` run, as does a plain Lightning checkpoint file.
-        replan_on_resume: a run resumed with ``fit(ckpt_path=...)`` reuses the partition plan saved in that
-            checkpoint when it fits the model and ``pipeline_parallel_degree`` (else it plans anew, and says so);
-            ``True`` always plans anew.
+        replan_on_resume: a run resumed with ``fit(ckpt_path=...)`` (a path, or ``"last"``/``"best"`` as Lightning
+            resolves them) reuses the partition plan saved in that checkpoint when it fits the model and
+            ``pipeline_parallel_degree`` (else it plans anew, and says so); ``True`` always plans anew.
         delayed_parameter_initialization: build the model of ``configure_model`` on meta; each rank allocates and
             initialises only its own stage, bitwise as an eager build (models built under
             ``lightning_mp.delay_param_initialization()`` or ``trainer.init_module(empty_init=True)`` are delayed
@@ -201,7 +202,7 @@ class SMPStrategy(ParallelStrategy):
         self._save_distributed_checkpoint = save_distributed_checkpoint
         self._param_order: list[str] | None = None  # the whole model's parameter FQNs, before placement
         self._replan_on_resume = replan_on_resume
-        self._resume_path: Path | None = None  # set by the launcher (see `resume_path_of` in _launch.py)
+        self._resume_path: str | Path | None = None  # set by the launcher (see `resume_path_of` in _launch.py)
         self.num_nodes = 1
         self._topology: Topology | None = None
         self._device_mesh: DeviceMesh | None = None
@@ -210,6 +211,7 @@ class SMPStrategy(ParallelStrategy):
         self._plan: PartitionPlan | None = None
         self._trace: ModelTrace | None = None
         self._grads = GradientStash()
+        self._reducer: GradientReducer | None = None  # dp > 1: see [Note: overlapped gradient all-reduce]
         self._warned_eval_split = False
 
     # ---- parallel layout -------------------------------------------------------------------------------------
@@ -353,6 +355,7 @@ class SMPStrategy(ParallelStrategy):
     def _release_process_groups(self) -> None:
         """Drop every object that holds a process group (at exit, after they were destroyed)."""
         self._engine = None
+        self._reducer = None
         self._device_mesh = None
         self._groups = None
 
@@ -421,6 +424,7 @@ class SMPStrategy(ParallelStrategy):
         if self._save_distributed_checkpoint:
             _checkpoint.name_checkpoint_folders(trainer.checkpoint_callbacks)
         self._place_modules(trainer)
+        self._build_reducer()
         if self.topology.pipeline_parallel_degree * self.topology.tensor_parallel_degree > 1:
             sync_metrics_over(self.lightning_module, self.device_mesh.get_group(MeshAxis.DP.value))
         if self.topology.pipeline_parallel_degree > 1:  # Lightning's summary counts the whole model
@@ -456,6 +460,8 @@ class SMPStrategy(ParallelStrategy):
                 "The 'smp' strategy runs backward inside the pipeline, so manual optimization"
                 " (`self.automatic_optimization = False`) is not supported. Use automatic optimization."
             )
+        if not self._save_distributed_checkpoint and self.config.tensor_parallel_degree > 1:
+            raise ValueError(_FULL_FILE_AT_TP.format(what="save_distributed_checkpoint=False"))
         if self.config.trace_execution_times and is_delayed(module):
             raise ValueError(
                 "trace_execution_times=True cannot time a model built under delayed parameter initialisation (it is"
@@ -478,9 +484,9 @@ class SMPStrategy(ParallelStrategy):
             self._plan = load_plan(self.config.partition_plan, module, self.config.pipeline_parallel_degree)
             rank_zero_info(f"lightning_mp: reusing the partition plan from {self.config.partition_plan}")
         elif (
-            self._resume_path is not None
-            and not self._replan_on_resume
-            and (saved := plan_saved_in(self._resume_path, module, self.config.pipeline_parallel_degree)) is not None
+            not self._replan_on_resume
+            and (resume := resolve_resume_path(self._resume_path, trainer)) is not None
+            and (saved := plan_saved_in(resume, module, self.config.pipeline_parallel_degree)) is not None
         ):
             self._plan = saved
         else:
@@ -515,6 +521,25 @@ class SMPStrategy(ParallelStrategy):
         if self.config.release_host_memory:
             trim_host_memory()  # what the build, the trace and the replay freed
         self._engine.order_gradients(module)
+
+    def _build_reducer(self) -> None:
+        """Bucketed gradient all-reduce over dp during backward (see [Note: overlapped gradient all-reduce]).
+
+        Not with tensor parallelism: there the replicated parameters' gradients are averaged over the tp group
+        first (``_tp.average_replicated_grads``), so the dp all-reduce runs after backward, as it always did.
+        """
+        topology = self.topology
+        if self._reducer is not None or topology.data_parallel_degree == 1 or topology.tensor_parallel_degree > 1:
+            return
+        engine = self._engine
+        assert engine is not None
+        self._reducer = GradientReducer(
+            list(self.lightning_module.parameters()),
+            self.device_mesh.get_group(MeshAxis.DP.value),
+            topology.data_parallel_degree,
+            is_complete=engine.gradient_complete,
+            previous=self._grads.previous,
+        )
 
     def _sample_to_device(self, batch: Any) -> Any:
         return self.precision_plugin.convert_input(self.batch_to_device(batch))
@@ -554,6 +579,8 @@ class SMPStrategy(ParallelStrategy):
         params = list(self.model.parameters())
         first_in_window = trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
         self._grads.begin(params, keep_previous=not first_in_window)
+        # the window's last batch: its gradients are final when backward ends, so dp buckets go out during it
+        armed = self._reducer is not None and _steps_optimizer(trainer) and self._reducer.arm(self.config.microbatches)
         try:
             summary = self._pipelined_step(
                 "training_step",
@@ -564,6 +591,11 @@ class SMPStrategy(ParallelStrategy):
                     self.config.microbatches, trainer.accumulate_grad_batches, loss_scale_of(self.precision_plugin)
                 ),
             )
+            if armed:
+                assert self._reducer is not None
+                if summary.num_tokens is not None:  # divided by the count below, after the buckets went out
+                    self._reducer.surprise()
+                self._reducer.flush()
         finally:
             self._grads.end()
         if summary.num_tokens:  # see [Note: token-weighted losses]
@@ -612,10 +644,12 @@ class SMPStrategy(ParallelStrategy):
                         loss_fn=partial(_scaled_loss, scale=loss_scale),
                         backward=loss_scale is not None,
                     )
-                summary = _summarize(outputs, recorder)
+                summary = _summarize(outputs, recorder, send_metric_states=self.topology.pipeline_parallel_degree > 1)
                 session.finish(summary)
             else:
                 summary = session.serve()
+                for state in summary.metric_states:  # see [Note: metrics in a pipelined step]
+                    load_metric_log(module, state)
         model_parallel = self.topology.pipeline_parallel_degree * self.topology.tensor_parallel_degree > 1
         dp_group = self.device_mesh.get_group(MeshAxis.DP.value) if model_parallel else None  # sync over replicas
         replay_logs(module, summary.logs, dp_group)
@@ -652,7 +686,9 @@ class SMPStrategy(ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Step after the data-parallel gradient all-reduce (once per optimizer step, after accumulation)."""
+        """Step after the data-parallel gradient all-reduce (once per optimizer step, after accumulation): the
+        buckets launched during backward are waited for here (see [Note: overlapped gradient all-reduce]), else
+        the gradients are all-reduced now."""
         if self.topology.data_parallel_degree == 1 and self.topology.tensor_parallel_degree == 1:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
@@ -661,11 +697,12 @@ class SMPStrategy(ParallelStrategy):
             if self.topology.tensor_parallel_degree > 1:
                 _tp.average_replicated_grads(list(self.model.parameters()), self.groups)
             if self.topology.data_parallel_degree > 1:
-                all_reduce_gradients(
-                    list(self.model.parameters()),
-                    self.device_mesh.get_group(MeshAxis.DP.value),
-                    self.topology.data_parallel_degree,
-                )
+                if self._reducer is None or not self._reducer.finish():  # not bucketed during backward: now
+                    all_reduce_gradients(
+                        list(self.model.parameters()),
+                        self.device_mesh.get_group(MeshAxis.DP.value),
+                        self.topology.data_parallel_degree,
+                    )
             return result
 
         return super().optimizer_step(optimizer, closure_then_all_reduce, model, **kwargs)
@@ -718,6 +755,13 @@ class SMPStrategy(ParallelStrategy):
         if self._save_distributed_checkpoint:
             _checkpoint.save_checkpoint(checkpoint, path, self.is_global_zero)
             return
+        if self._sharded_optimizers():  # ZeRO-1: each dp rank holds a share of its stage's optimizer state
+            group = self.device_mesh.get_group(MeshAxis.DP.value)
+            merged = _checkpoint.gather_sharded_optimizer_states(
+                checkpoint.get("optimizer_states", []), group, dist.get_global_rank(group, 0)
+            )
+            if merged is not None:
+                checkpoint["optimizer_states"] = merged
         if self.topology.dp_rank == 0 and self.topology.tp_rank == 0:  # replica 0's stages hold the whole model
             assert self._param_order is not None
             _checkpoint.save_full_checkpoint(
@@ -726,6 +770,9 @@ class SMPStrategy(ParallelStrategy):
             )
         self.barrier("save_checkpoint")
 
+    def _sharded_optimizers(self) -> bool:
+        return any(local_optimizer(_unwrap(o)) is not _unwrap(o) for o in self.optimizers)
+
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
@@ -733,9 +780,11 @@ class SMPStrategy(ParallelStrategy):
         local = [local_optimizer(o) for o in optimizers]
         if path.is_file():  # one full file: a plain Lightning checkpoint, or save_distributed_checkpoint=False
             assert self._param_order is not None
+            if self.topology.tensor_parallel_degree > 1:
+                raise ValueError(_FULL_FILE_AT_TP.format(what=f"load {path} (one full checkpoint file)"))
             checkpoint = _checkpoint.load_full_checkpoint(
-                path, self.model, local, self._param_order, self.device_mesh.get_group(MeshAxis.PP.value),
-                strict=self.lightning_module.strict_loading, weights_only=weights_only,
+                path, self.model, optimizers, self._param_order, self.device_mesh.get_group(MeshAxis.PP.value),
+                strict=self.lightning_module.strict_loading, weights_only=weights_only, local_optimizers=local,
             )
         else:
             checkpoint = _checkpoint.load_checkpoint(
@@ -779,6 +828,22 @@ class SMPStrategy(ParallelStrategy):
 # gradients as under ``ddp`` (each replica's batch is normalised by its own count).
 
 
+_FULL_FILE_AT_TP = (
+    "{what} is not supported with tensor_parallel_degree > 1 yet: a full file holds every parameter whole under its"
+    " one-device name, and tensor-parallel shards are not gathered into whole tensors (nor split back) yet. Use"
+    " save_distributed_checkpoint=True (DCP folders, which resume at any layout), or tensor_parallel_degree=1."
+)
+
+
+def _steps_optimizer(trainer: pl.Trainer) -> bool:
+    """Whether Lightning steps the optimizer after the current training batch (the accumulation window ends)."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    should_accumulate = getattr(epoch_loop, "_should_accumulate", None)
+    if should_accumulate is None:  # another Lightning version: only without accumulation is it certain
+        return trainer.accumulate_grad_batches == 1
+    return not should_accumulate()
+
+
 def _num_tokens(output: Any) -> float | None:
     if isinstance(output, Mapping) and "num_tokens" in output:
         n = output["num_tokens"]
@@ -820,11 +885,13 @@ def _scaled_loss(output: Any, scale: _LossScale | None) -> Tensor | None:
     return None if n == 0 else loss * (n * scale.grad_scale) / scale.accumulate
 
 
-def _summarize(outputs: list[Any], recorder: LogRecorder) -> StepSummary:
-    """Merge the microbatch outputs and logged values; token-weighted when the step returns ``num_tokens``."""
+def _summarize(outputs: list[Any], recorder: LogRecorder, send_metric_states: bool) -> StepSummary:
+    """Merge the microbatch outputs and logged values; token-weighted when the step returns ``num_tokens``.
+    ``send_metric_states``: other stages exist, to which the states of unlogged updated metrics go."""
     counts = [_num_tokens(o) for o in outputs]
+    states = recorder.unlogged_metric_states() if send_metric_states else []
     if all(n is None for n in counts):
-        return StepSummary(merge_microbatches([detach_cpu(o) for o in outputs]), recorder.reduced())
+        return StepSummary(merge_microbatches([detach_cpu(o) for o in outputs]), recorder.reduced(), metric_states=states)
     if any(n is None for n in counts):
         raise ValueError(
             "Some microbatches returned `num_tokens` and others did not; a step that weights its loss by tokens must"
@@ -839,7 +906,7 @@ def _summarize(outputs: list[Any], recorder: LogRecorder) -> StepSummary:
         weighted = torch.tensor(float("nan"), dtype=torch.float64)
     dtype = outputs[0]["loss"].dtype
     merged["loss"] = weighted.to(dtype if dtype.is_floating_point else torch.float32)
-    return StepSummary(merged, recorder.reduced(weights=counts), num_tokens=total)
+    return StepSummary(merged, recorder.reduced(weights=counts), num_tokens=total, metric_states=states)
 
 
 def _unwrap(optimizer: Any) -> Optimizer:
