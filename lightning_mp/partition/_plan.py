@@ -859,4 +859,6 @@ def holds_parameters(trace: ModelTrace, fqn: str) -> bool:
     record = trace.modules.get(fqn)
     if record is None:
         return True
-    return record.num_params > 0 or any(holds_parameters(trace, child) for child in record.children)
+    if record.num_params > 0 or any(fqn in shared.holders for shared in trace.shared_parameters):
+        return True
+    return any(holds_parameters(trace, child) for child in record.children)
