@@ -75,7 +75,8 @@ class SMPConfig:
     stages after every backward (Megatron-LM, DeepSpeed's ``TiedLayerSpec``), so the copies stay bitwise equal;
     ``"auto"`` plans both and replicates only when that lowers the largest stage cost, each copy's training memory
     charged to its stage. A manual ``partition`` map that places tied modules apart needs ``"replicate"`` or
-    ``"auto"``."""
+    ``"auto"``. With ``tensor_parallel_degree > 1`` ties are co-located (``"auto"``; ``"replicate"`` is an error):
+    tie groups over tensor-parallel shards are not built yet."""
 
     trace_execution_times: bool = False
     """Balance measured per-module times instead of FLOPs (SMP's ``trace_execution_times``). Runs the traced step

@@ -786,23 +786,28 @@ def stage_costs(
     *,
     memory_weight: float = 0.2,
     optimizer_state_factor: float = 3.0,
+    charge_copies: bool = True,
 ) -> tuple[float, ...]:
     """Normalised cost of each stage for *any* assignment of modules to stages (plans, baselines, hand splits).
 
     Uses the same cost model as :func:`plan`; each module contributes its own cost (self compute, own memory)
-    to its stage. The costs sum to 1 (all zeros for a model without compute and memory).
+    to its stage, and, with ``charge_copies``, a stage holding a tied parameter whose first owner is elsewhere pays
+    for its copy (see [Note: tied weights]; ``False`` scores the split as if ties were free). The costs are
+    normalised by the model without copies: they sum to 1 when no copy is charged (all zeros for a model without
+    compute and memory).
     """
-    return _stage_costs(_CostModel(trace, memory_weight, optimizer_state_factor), stage_of, num_stages)
+    costs = _CostModel(trace, memory_weight, optimizer_state_factor)
+    return _stage_costs(costs, stage_of, num_stages, charge_copies)
 
 
-def _stage_costs(costs: _CostModel, stage_of: Mapping[str, int], num_stages: int) -> tuple:
+def _stage_costs(costs: _CostModel, stage_of: Mapping[str, int], num_stages: int, charge_copies: bool = True) -> tuple:
     """Own costs per stage plus one copy of each replicated parameter on every stage holding it besides its first
     owner's; normalised by the model without copies (see [Note: tied weights])."""
     raw = [0.0] * num_stages
     for fqn, stage in stage_of.items():
         raw[stage] += costs.own_cost(fqn)
     total = sum(raw)
-    for index, shared in enumerate(costs.trace.shared_parameters):
+    for index, shared in enumerate(costs.trace.shared_parameters if charge_copies else ()):
         owner = stage_of.get(shared.holders[0])
         for stage in {stage_of[h] for h in shared.holders if h in stage_of} - {owner}:
             raw[stage] += costs.copy_cost[index]

@@ -454,6 +454,12 @@ class SMPStrategy(ParallelStrategy):
                 f"microbatches={self.config.microbatches} is fewer than pipeline_parallel_degree={pp}: stages mostly"
                 f" wait for each other. Use microbatches >= {pp} (e.g. {2 * pp}) for the pipeline to overlap work."
             )
+        if self.config.tensor_parallel_degree > 1 and self.config.tied_weights == "replicate":
+            raise ValueError(
+                f"tied_weights='replicate' with tensor_parallel_degree={self.config.tensor_parallel_degree} is not"
+                " supported yet (tie groups over tensor-parallel shards are not built). Use tied_weights='colocate' or"
+                " 'auto' (which co-locates under tensor parallelism)."
+            )
         if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
             raise ValueError(
                 "The 'smp' strategy runs backward inside the pipeline, so manual optimization"
@@ -529,6 +535,11 @@ class SMPStrategy(ParallelStrategy):
         """The plan with its replicated parameters as its placement implies (a plan saved before they were recorded
         gets them); an error if it splits a tie under ``tied_weights="colocate"``."""
         replicated = replicated_stages(module, stages.stage_of)
+        if replicated and self.config.tensor_parallel_degree > 1:
+            raise ValueError(
+                f"The partition plan places modules that share a parameter on different stages ({replicated}), which"
+                " is not supported with tensor_parallel_degree > 1 yet. Use a plan that keeps tied modules together."
+            )
         if replicated and self.config.tied_weights == "colocate":
             raise ValueError(
                 f"The partition plan places modules that share a parameter on different stages ({replicated}), but"
