@@ -257,3 +257,22 @@ def test_replicated_checkpoint_keeps_one_copy_and_resumes_at_another_degree(tmp_
         resumed = _fit("tinylm", str(tmp_path / f"pp{pp}"), _smp(pp, tied_weights="replicate", replan_on_resume=True),
                        devices=pp, max_steps=2 * STEPS, ckpt_path=str(tmp_path / "ck" / "last"))
         _assert_matches(resumed, reference, names)
+
+
+def test_full_checkpoint_file_with_a_copy_is_one_devices_file(tmp_path):
+    """``save_distributed_checkpoint=False`` at pp=2 with the head's copy on stage 1 writes one device's file."""
+    split = {"partition": {"net.head": 1, "net.blocks.3": 1}, "tied_weights": "replicate"}
+    _fit("tinylm", str(tmp_path / "ref"), ckpt_dir=str(tmp_path / "ck_ref"))
+    _fit("tinylm", str(tmp_path / "smp"), _smp(2, save_distributed_checkpoint=False, **split), devices=2,
+         ckpt_dir=str(tmp_path / "ck"))
+    expected = torch.load(tmp_path / "ck_ref" / "last.ckpt", weights_only=False)
+    got = torch.load(tmp_path / "ck" / "last.ckpt", weights_only=False)
+    assert sorted(got["state_dict"]) == sorted(expected["state_dict"]), "every name of the tied weight, as on one device"
+    for key, value in expected["state_dict"].items():
+        torch.testing.assert_close(got["state_dict"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    (optim,), (reference,) = got["optimizer_states"], expected["optimizer_states"]
+    assert [len(g["params"]) for g in optim["param_groups"]] == [len(g["params"]) for g in reference["param_groups"]]
+    assert sorted(optim["state"]) == sorted(reference["state"]), "one state per parameter, the copy's folded in"
+    for index, state in reference["state"].items():
+        torch.testing.assert_close(optim["state"][index]["momentum_buffer"], state["momentum_buffer"], rtol=1e-5,
+                                   atol=1e-6, msg=str(index))
