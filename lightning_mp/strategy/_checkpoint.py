@@ -316,8 +316,9 @@ def load_full_checkpoint(
 
 def _load_native_optimizer_state(
     optimizer: Optimizer, model: nn.Module, native: dict[str, Any], fqn_groups: list[list[str]], path: Path,
-    originals: Mapping[str, str],
+    originals: Mapping[str, str] | None = None,
 ) -> None:
+    originals = originals or {}
     saved_groups = native["param_groups"]
     sizes, expected = [len(g["params"]) for g in saved_groups], [len(g) for g in fqn_groups]
     if sizes != expected:
