@@ -73,8 +73,9 @@ class SMPConfig:
     """Modules sharing a parameter (a tied embedding and LM head): ``"colocate"`` puts them on one stage;
     ``"replicate"`` lets them sit on different stages, each holding a copy whose gradient is summed over those
     stages after every backward (Megatron-LM, DeepSpeed's ``TiedLayerSpec``), so the copies stay bitwise equal;
-    ``"auto"`` plans both and replicates only when that lowers the largest stage cost, each copy's training memory
-    charged to its stage. A manual ``partition`` map that places tied modules apart needs ``"replicate"`` or
+    ``"auto"`` plans both and replicates only when that lowers the largest stage cost by more than 1%, each copy's
+    training memory charged to its stage (for an embedding tied to an LM head it rarely does: see [Note: tied
+    weights] in ``partition/_plan.py``). A manual ``partition`` map that places tied modules apart needs ``"replicate"`` or
     ``"auto"``. With ``tensor_parallel_degree > 1`` ties are co-located (``"auto"``; ``"replicate"`` is an error):
     tie groups over tensor-parallel shards are not built yet."""
 
