@@ -29,7 +29,9 @@ Table columns: balance ratios, max stage cost / mean stage cost (1.000 is perfec
   stage).
 - ``ours+rep``: ``plan(..., tied_weights="auto")``, the strategy's default: the replicated plan (a copy of the tied
   weight on every stage using it, gradients summed) when its largest stage cost is lower, each copy's training
-  memory (parameter bytes x 3) charged to its stage; otherwise the same as ``ours``. ``*``: it replicated.
+  memory (parameter bytes x 3) charged to its stage, and the gain is above 1%; otherwise the same as ``ours``.
+  ``*``: it replicated.
+- ``replicate``: ``plan(..., tied_weights="replicate")``, the replicated plan ``auto`` weighed (copies charged).
 - ``optimal``: the exact min-max contiguous split of the leaf sequence (dynamic programme), the lower bound for
   contiguous plans. It ignores tied weights: nothing is charged for a tied module away from its weight.
 - ``tied opt``: the same with each group of modules sharing a parameter merged into one part (at whichever
@@ -330,6 +332,7 @@ class _Row:
     ours: float
     auto: float
     auto_replicated: bool
+    forced: float  # plan(..., tied_weights="replicate")
     optimal: float
     tied_optimal: float | None  # None: the model shares no parameters between modules
     param_split: float
@@ -403,6 +406,7 @@ def _rows(name: str, tr: ModelTrace) -> tuple[list[_Row], float]:
                 ours=_balance(tr, ours.stage_of, n),
                 auto=_balance(tr, auto.stage_of, n),
                 auto_replicated=bool(auto.replicated),
+                forced=_balance(tr, plan(tr, n, memory_weight=MEMORY_WEIGHT, tied_weights="replicate").stage_of, n),
                 optimal=_best_balance(tr, [[[u] for u in units]], n),
                 tied_optimal=_best_balance(tr, tied, n) if tied else None,
                 param_split=_balance(tr, _stage_of(tr, [[u] for u in units], _param_split(units, n)), n),
@@ -427,10 +431,11 @@ def _describe(block: Sequence[_Unit]) -> str:
 
 
 def _format(rows: list[_Row]) -> str:
-    header = ("model", "stages", "ours", "ours+rep", "optimal", "tied opt", "param-split", "layer-split",
+    header = ("model", "stages", "ours", "ours+rep", "replicate", "optimal", "tied opt", "param-split", "layer-split",
               "ours/opt-1", "rep/opt-1")
     lines = [
         (r.model, str(r.num_stages), f"{r.ours:.3f}", f"{r.auto:.3f}" + ("*" if r.auto_replicated else " "),
+         f"{r.forced:.3f}",
          f"{r.optimal:.3f}", "-" if r.tied_optimal is None else f"{r.tied_optimal:.3f}", f"{r.param_split:.3f}",
          f"{r.layer_split:.3f}", f"{100 * r.vs_optimal:+.1f}%", f"{100 * (r.auto / r.optimal - 1):+.1f}%")
         for r in rows

@@ -163,8 +163,15 @@ class TiedModule(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        # SGD: Adam turns the pure rounding noise of GPT-2's key-bias gradients (zero in exact maths) into lr-sized steps
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+        # Groups by module type, as the example GPT does: no weight decay for embeddings. The head's stage holds a
+        # copy of the tied weight; it must land in the embedding's group there too, or the copies drift apart.
+        # SGD: Adam turns the pure rounding noise of GPT-2's key-bias gradients (zero in exact maths) into lr-sized steps.
+        embeddings = {id(p) for m in self.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+        params = list(self.parameters())
+        groups = [{"params": [p for p in params if id(p) not in embeddings], "weight_decay": 0.05},
+                  {"params": [p for p in params if id(p) in embeddings], "weight_decay": 0.0}]
+        # a stage without an embedding leaves that group out (torch's DCP optimizer loader fails on an empty group)
+        return torch.optim.SGD([g for g in groups if g["params"]], lr=0.1, momentum=0.9)
 
     def train_dataloader(self) -> DataLoader:
         parts = [TinyLM.batch(n=BATCH, seed=step) for step in range(2 * STEPS)]

@@ -8,7 +8,12 @@ As Megatron-LM (its embedding group) and DeepSpeed (``TiedLayerSpec``) do:
 * a *tie group* is the process group of exactly the ranks holding a copy, one per (data-parallel replica, tp rank)
   and tied parameter; every rank creates all of them at setup, in the plan's order;
 * at setup each copy is broadcast from the lowest stage of its group (copies built eagerly, or replayed by delayed
-  init, are equal already: this makes it a fact);
+  init, are equal already: this makes it a fact), and put back under every name of the parameter on that rank,
+  also in the stubs of holders that run elsewhere (their calls still go to their stage). So every stage holding a
+  copy sees the same ``named_parameters()`` name (the original FQN) and the same holders: a
+  ``configure_optimizers`` that sorts parameters by name or by module type (no weight decay for embeddings) puts
+  every copy in the same group, as on one device; otherwise the copy of a tied embedding/head on the head's stage
+  would look like a ``Linear`` weight, get weight decay, and drift from the embedding's stage;
 * once per optimizer step, after the pipeline's backward, the tp reduction and the data-parallel average, each copy's
   gradient is summed over its tie group (a copy without a gradient counts as zeros). Every member then holds the
   same bits (one all-reduce, the same inputs after the dp average), steps the same optimizer state, and the copies
@@ -138,6 +143,9 @@ def build_tied_weights(
     local: dict[str, nn.Parameter] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         local.setdefault(names.get(name, name), param)
+    every_name: dict[str, list[str]] = {}
+    for name, original in names.items():
+        every_name.setdefault(original, [original]).append(name)
     ties = []
     for fqn, stages in plan.replicated.items():
         own_group, src = None, None
@@ -153,5 +161,16 @@ def build_tied_weights(
                 f"The partition plan replicates {fqn!r} on stages {list(stages)}, but stage {topology.pp_rank} holds no"
                 " such parameter. The plan is for another model: drop `partition_plan` to plan anew."
             )
+        if param is not None:
+            _attach_everywhere(model, param, every_name.get(fqn, [fqn]))
         ties.append(Tie(fqn, tuple(stages), param, own_group, src))
     return TiedWeights(ties)
+
+
+def _attach_everywhere(model: nn.Module, param: nn.Parameter, names: list[str]) -> None:
+    """Put ``param`` under each of ``names`` whose slot the engine emptied (a holder stubbed to another stage)."""
+    for name in names:
+        module_name, _, attribute = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if module._parameters.get(attribute) is None:
+            module._parameters[attribute] = param
