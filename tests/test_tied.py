@@ -284,6 +284,12 @@ def test_replicated_checkpoint_keeps_one_copy_and_resumes_at_another_degree(tmp_
     assert "state_dict.net.embed.weight" in saved and "state_dict.net.head.weight" not in saved, "one copy, one name"
     assert not any("net.head.weight" in key for key in saved), "the optimizer state too"
     assert load_plan(str(tmp_path / "ck" / "last"), TiedModule("tinylm"), 2).replicated == {"net.embed.weight": (0, 1)}
+    reused = _fit("tinylm", str(tmp_path / "reuse"), _smp(2, partition_plan=str(tmp_path / "ck" / "last")), devices=2,
+                  max_steps=1)
+    assert reused[0]["plan"]["replicated"] == {"net.embed.weight": [0, 1]}, "a saved plan replicates the same way"
+    with pytest.raises(Exception, match="tied_weights='colocate'"):
+        _fit("tinylm", str(tmp_path / "refused"),
+             _smp(2, partition_plan=str(tmp_path / "ck" / "last"), tied_weights="colocate"), devices=2, max_steps=1)
     for pp in (1, 3):
         resumed = _fit("tinylm", str(tmp_path / f"pp{pp}"), _smp(pp, tied_weights="replicate", replan_on_resume=True),
                        devices=pp, max_steps=2 * STEPS, ckpt_path=str(tmp_path / "ck" / "last"))
