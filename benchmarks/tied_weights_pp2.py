@@ -7,11 +7,12 @@ Run (CPU, 2 processes per run, a few minutes)::
 Each round runs ``lightning-mp fit --config configs/gpt_pp2.yaml`` once with ``tied_weights: colocate`` and once
 with ``tied_weights: replicate`` (alternating, in one session; the first of each pair alternates too), no
 validation and no checkpoint, and times the steps after the first 10 on global rank 0 (:class:`StepClock`, added to
-the config's callbacks). Under ``colocate`` the head runs on stage 0 with the embedding, so every microbatch's
-activations go 0 -> 1 -> 0 and the logits' gradient comes back 0 -> 1 -> 0 in backward; under ``replicate`` the
-head runs on stage 1 with a copy of the weight (the round trip goes away, one all-reduce of the 256 x 128 weight's
-gradient per step is added). Prints a table of per-round steps/s and the ratio replicate / colocate (only the ratio
-means anything: the machine may be shared).
+the config's callbacks). Under ``colocate`` the head runs on stage 0 with the embedding: each microbatch's hidden
+state ``(B, T, C)`` goes 0 -> 1 -> 0. Under ``replicate`` the head runs on stage 1 with a copy of the weight, but the
+loss is computed in ``training_step`` on stage 0 (the driver), so the logits ``(B, T, V)`` (V = 256 = 2C) still come
+back, the head becomes one more remote call per microbatch, and the copy's gradient is all-reduced once per step.
+Prints a table of per-round steps/s and the ratio replicate / colocate (only the ratio means anything: the machine
+may be shared). Measured on 2 shared CPU cores, 4 rounds: 0.854, 0.975, 0.930, 0.879 (median 0.90).
 """
 
 from __future__ import annotations
