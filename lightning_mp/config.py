@@ -16,6 +16,7 @@ __all__ = ["SMPConfig"]
 
 PipelineSchedule = Literal["interleaved", "simple"]
 Optimize = Literal["speed", "memory"]
+TiedWeights = Literal["colocate", "replicate", "auto"]
 
 _DEFAULT_MEMORY_WEIGHT = {"speed": 0.2, "memory": 0.8}
 
@@ -67,6 +68,16 @@ class SMPConfig:
 
     memory_weight: float | None = None
     """Weight in [0, 1] of memory balance against compute balance in the partition cost. ``None``: from ``optimize``."""
+
+    tied_weights: TiedWeights = "auto"
+    """Modules sharing a parameter (a tied embedding and LM head): ``"colocate"`` puts them on one stage;
+    ``"replicate"`` lets them sit on different stages, each holding a copy whose gradient is summed over those
+    stages after every backward (Megatron-LM, DeepSpeed's ``TiedLayerSpec``), so the copies stay bitwise equal;
+    ``"auto"`` plans both and replicates only when that lowers the largest stage cost by more than 1%, each copy's
+    training memory charged to its stage (for an embedding tied to an LM head it rarely does: see [Note: tied
+    weights] in ``partition/_plan.py``). A manual ``partition`` map that places tied modules apart needs ``"replicate"`` or
+    ``"auto"``. With ``tensor_parallel_degree > 1`` ties are co-located (``"auto"``; ``"replicate"`` is an error):
+    tie groups over tensor-parallel shards are not built yet."""
 
     trace_execution_times: bool = False
     """Balance measured per-module times instead of FLOPs (SMP's ``trace_execution_times``). Runs the traced step
@@ -124,6 +135,8 @@ class SMPConfig:
         self._check_non_split_inputs()
         if self.pipeline not in ("interleaved", "simple"):
             raise ValueError(f"`pipeline` must be 'interleaved' or 'simple', got {self.pipeline!r}.")
+        if self.tied_weights not in ("colocate", "replicate", "auto"):
+            raise ValueError(f"`tied_weights` must be 'colocate', 'replicate' or 'auto', got {self.tied_weights!r}.")
         if self.optimize not in _DEFAULT_MEMORY_WEIGHT:
             raise ValueError(f"`optimize` must be 'speed' or 'memory', got {self.optimize!r}.")
         if self.memory_weight is not None and not 0.0 <= self.memory_weight <= 1.0:

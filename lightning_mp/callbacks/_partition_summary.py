@@ -24,7 +24,10 @@ class StageSummary:
         num_params: parameter elements it holds (shared parameters counted once).
         flops: forward FLOPs of one traced microbatch run on it (its modules' own FLOPs).
         activation_bytes: bytes of the outputs of its leaf modules for one microbatch (kept for backward).
-        cost_share: its share of the plan's total cost, in [0, 1].
+        cost_share: its share of the plan's total cost, in [0, 1] (copies of replicated tied weights included).
+        replicas: original FQNs of the replicated tied parameters it holds a copy of (``tied_weights="replicate"``),
+            listed on every stage holding one, its first owner's included.
+        replica_params: elements of those copies not counted in ``num_params`` (held as a copy, not first owner).
     """
 
     stage: int
@@ -33,6 +36,8 @@ class StageSummary:
     flops: float
     activation_bytes: int
     cost_share: float
+    replicas: tuple[str, ...] = ()
+    replica_params: int = 0
 
 
 def summarize_stages(plan: PartitionPlan, trace: ModelTrace) -> list[StageSummary]:
@@ -52,8 +57,12 @@ def summarize_stages(plan: PartitionPlan, trace: ModelTrace) -> list[StageSummar
         if not record.children:
             activations[stage] += record.activation_bytes
     shown = [[fqn for fqn in names if holds_parameters(trace, fqn)] for names in plan.display_modules()]
+    copies = plan.replica_params(trace)
     return [
-        StageSummary(s, shown[s], params[s], flops[s], activations[s], plan.stage_costs[s])
+        StageSummary(
+            s, shown[s], params[s], flops[s], activations[s], plan.stage_costs[s],
+            tuple(fqn for fqn, stages in plan.replicated.items() if s in stages), copies[s],
+        )
         for s in range(plan.num_stages)
     ]
 
@@ -115,16 +124,19 @@ class PartitionSummary(Callback):
 
 
 def _table(stages: list[StageSummary]) -> str:
+    replicated = any(s.replicas for s in stages)
     header = ("stage", "modules", "parameters", "GFLOPs", "activations MiB", "cost")
+    header += ("tied replicas",) if replicated else ()
     rows = [
         (
             str(s.stage),
             _short(s.modules),
-            f"{s.num_params:,}",
+            f"{s.num_params:,}" + (f" + {s.replica_params:,} replica" if s.replica_params else ""),
             f"{s.flops / 1e9:.3f}",
             f"{s.activation_bytes / 2**20:.2f}",
             f"{100 * s.cost_share:.1f}%",
         )
+        + ((_short(list(s.replicas)) or "-",) if replicated else ())
         for s in stages
     ]
     widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]

@@ -15,15 +15,17 @@ import types
 
 from lightning_mp.partition._manual import manual_placements, placement
 from lightning_mp.partition._plan import PartitionPlan, plan, stage_costs
-from lightning_mp.partition._trace import ModelTrace, ModuleRecord, trace
+from lightning_mp.partition._trace import ModelTrace, ModuleRecord, SharedParameter, shared_parameters, trace
 
 __all__ = [
     "ModelTrace",
     "ModuleRecord",
     "PartitionPlan",
+    "SharedParameter",
     "manual_placements",
     "placement",
     "plan",
+    "shared_parameters",
     "stage_costs",
     "trace",
 ]

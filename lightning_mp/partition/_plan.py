@@ -25,6 +25,20 @@ that alone lowers the optimum, stalls where the gain needs two levels at once: a
 only called child is another container, as ``nn.TransformerEncoder`` -> ``layers`` -> ``layers.i``.)
 The root residual is always the first node, so the root and its own parameters land on stage 0.
 Manual placements are applied on top; the innermost entry wins for its subtree.
+
+[Note: tied weights] A parameter held by several modules (a tied embedding and LM head) is either *co-located*
+(``tied_weights="colocate"``: its holders form one super-node, as above) or *replicated* (``"replicate"``: only
+names of one module object are merged; the holders may sit on different stages, each of those stages keeps a copy
+and the strategy sums its gradient over them, as Megatron-LM and DeepSpeed's ``TiedLayerSpec`` do). A copy costs its
+stage the parameter's training memory (bytes x ``optimizer_state_factor``): the DP charges it to every merged node
+that holds the parameter without its first owner (exact unless two such nodes share a stage, where it is charged
+twice), and the plan's ``stage_costs`` count it exactly, once per stage holding a copy. Costs stay normalised by the
+model without copies, so plans of both kinds compare on one scale. ``"auto"`` plans both and keeps the replicated
+plan only when its largest stage cost is lower by more than ``_REPLICATE_GAIN`` (1%, the slack that already keeps a
+module whole for communication the model does not count). For an embedding tied to an LM head that rarely happens:
+the embedding's cost is almost all memory, so the copy costs the head's stage what co-locating the embedding costs
+(GPT-2, BERT, RoBERTa at 2-8 stages: under 0.5%). It pays where one small weight is used by compute-heavy modules
+far apart (a block shared across depth), which co-location would pull onto one stage.
 """
 
 from __future__ import annotations
@@ -33,18 +47,24 @@ import bisect
 import difflib
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_mp.partition._trace import ModelTrace
 
-__all__ = ["PartitionPlan", "plan", "stage_costs"]
+__all__ = ["TIED_WEIGHTS", "PartitionPlan", "plan", "stage_costs"]
+
+TIED_WEIGHTS = ("colocate", "replicate", "auto")
 
 # Costs are normalised (they sum to about 1); differences below this are float noise.
 _TOL = 1e-12
 # Expansions of the finest frontier are undone while the bottleneck stage cost stays within this
 # fraction of its optimum: splitting a module over stages adds communication the cost model does not see.
 _COLLAPSE_SLACK = 0.01
+# ``tied_weights="auto"`` replicates only when that lowers the bottleneck stage cost by more than this fraction: a
+# copy adds a remote call and a gradient all-reduce per step that the cost model does not see (the example GPT at
+# 2 stages, predicted 0.6% better replicated, ran at 0.91x the steps/s; see [Note: tied weights]).
+_REPLICATE_GAIN = _COLLAPSE_SLACK
 _ROOT = ""
 _MAX_TABLE_ENTRIES = 6
 
@@ -64,12 +84,15 @@ class PartitionPlan:
         ordered_state: FQNs of the modules whose traced forward wrote their own buffers (BatchNorm
             running statistics); the engine updates them in microbatch order. ``None`` when unknown
             (a plan saved before this was recorded): then every module with buffers is treated so.
+        replicated: tied parameters whose holders sit on several stages (see [Note: tied weights]): original
+            parameter FQN -> the stages holding a copy, ascending. Empty when every tie is co-located.
     """
 
     num_stages: int
     stage_of: dict[str, int]
     stage_costs: tuple[float, ...]
     ordered_state: tuple[str, ...] | None = None
+    replicated: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_costs", tuple(float(c) for c in self.stage_costs))
@@ -81,6 +104,14 @@ class PartitionPlan:
             )
         for fqn, stage in self.stage_of.items():
             _check_stage(stage, self.num_stages, f"stage_of[{fqn!r}] = {stage!r}")
+        object.__setattr__(self, "replicated", {str(k): tuple(int(s) for s in v) for k, v in self.replicated.items()})
+        for fqn, stages in self.replicated.items():
+            if len(stages) < 2 or list(stages) != sorted(set(stages)):
+                raise ValueError(
+                    f"replicated[{fqn!r}] = {stages}; a replicated parameter lists two or more distinct stages, ascending"
+                )
+            for stage in stages:
+                _check_stage(stage, self.num_stages, f"replicated[{fqn!r}] stage {stage!r}")
         if self.stage_of.get(_ROOT, 0) != 0:
             raise ValueError(
                 f"the root module ('') is on stage {self.stage_of[_ROOT]}; the root always "
@@ -108,18 +139,33 @@ class PartitionPlan:
         for fqn, stage in self.stage_of.items():
             record = trace.modules.get(fqn)
             num_params[stage] += record.num_params if record is not None else 0
-        header = ("stage", "modules", "parameters", "cost")
+        copies = self.replica_params(trace)
+        header = ("stage", "modules", "parameters", "cost") + (("replicated (tied)",) if self.replicated else ())
         shown = [[fqn for fqn in names if holds_parameters(trace, fqn)] for names in self.display_modules()]
         rows = [
             (
                 str(stage),
                 _abbreviate(shown[stage]),
-                f"{num_params[stage]:,}",
+                f"{num_params[stage]:,}" + (f" + {copies[stage]:,} replica" if copies[stage] else ""),
                 f"{100.0 * self.stage_costs[stage]:.1f}%",
             )
+            + ((", ".join(f for f, s in self.replicated.items() if stage in s) or "-",) if self.replicated else ())
             for stage in range(self.num_stages)
         ]
         return _render_table(header, rows)
+
+    def replica_params(self, trace: ModelTrace) -> list[int]:
+        """Per stage, elements of the replicated parameters it holds as a copy (not as their first owner)."""
+        sizes = {shared.fqn: shared for shared in trace.shared_parameters}
+        copies = [0] * self.num_stages
+        for fqn, stages in self.replicated.items():
+            shared = sizes.get(fqn)
+            if shared is None:
+                continue
+            owner = self.stage_of.get(shared.holders[0])
+            for stage in stages:
+                copies[stage] += shared.num_params if stage != owner else 0
+        return copies
 
     def display_modules(self) -> list[list[str]]:
         """Per stage, the modules worth naming in a summary: children of modules whose subtree spans several stages."""
@@ -146,6 +192,8 @@ class PartitionPlan:
         }
         if self.ordered_state is not None:
             data["ordered_state"] = list(self.ordered_state)
+        if self.replicated:
+            data["replicated"] = {fqn: list(stages) for fqn, stages in self.replicated.items()}
         return data
 
     @classmethod
@@ -165,6 +213,7 @@ class PartitionPlan:
             stage_of={str(fqn): int(stage) for fqn, stage in data["stage_of"].items()},
             stage_costs=tuple(float(c) for c in data["stage_costs"]),
             ordered_state=tuple(data["ordered_state"]) if data.get("ordered_state") is not None else None,
+            replicated={str(f): tuple(int(s) for s in v) for f, v in (data.get("replicated") or {}).items()},
         )
 
 
@@ -177,6 +226,7 @@ def plan(
     auto_partition: bool = True,
     default_partition: int = 0,
     optimizer_state_factor: float = 3.0,
+    tied_weights: str = "colocate",
 ) -> PartitionPlan:
     """Places every module of a traced model on one of ``num_stages`` pipeline stages.
 
@@ -196,6 +246,9 @@ def plan(
         auto_partition: if False, skip the automatic plan: modules not under a ``manual`` entry go
             to ``default_partition`` (the root stays on stage 0).
         default_partition: stage for unplaced modules when ``auto_partition`` is False.
+        tied_weights: ``"colocate"`` (modules sharing a parameter on one stage), ``"replicate"`` (they may sit on
+            different stages, each holding a copy) or ``"auto"`` (plan both, keep the replicated plan when its
+            largest stage cost, copies charged, is lower by more than 1%); see [Note: tied weights].
 
     Returns:
         The :class:`PartitionPlan`.
@@ -203,9 +256,36 @@ def plan(
     Raises:
         ValueError: if ``num_stages < 1``; ``memory_weight`` is outside ``[0, 1]``; a stage is out
             of range; ``manual`` names an unknown module or puts the root off stage 0; the model
-            has fewer placeable modules than ``num_stages``; modules sharing a parameter end up on
-            different stages; or a stage ends up with no modules.
+            has fewer placeable modules than ``num_stages``; under ``tied_weights="colocate"``, modules sharing
+            a parameter end up on different stages; or a stage ends up with no modules.
     """
+    if tied_weights not in TIED_WEIGHTS:
+        raise ValueError(f"tied_weights must be one of {TIED_WEIGHTS}, got {tied_weights!r}")
+    if tied_weights != "auto" or not trace.shared_parameters:
+        return _plan(trace, num_stages, memory_weight, manual, auto_partition, default_partition,
+                     optimizer_state_factor, replicate=tied_weights == "replicate")
+    try:
+        colocated = _plan(trace, num_stages, memory_weight, manual, auto_partition, default_partition,
+                          optimizer_state_factor, replicate=False)
+    except ValueError:  # e.g. a manual map that splits a tie, or too few nodes once ties are merged
+        colocated = None
+    replicated = _plan(trace, num_stages, memory_weight, manual, auto_partition, default_partition,
+                       optimizer_state_factor, replicate=True)
+    if colocated is None or max(replicated.stage_costs) < max(colocated.stage_costs) * (1.0 - _REPLICATE_GAIN):
+        return replicated
+    return colocated
+
+
+def _plan(
+    trace: ModelTrace,
+    num_stages: int,
+    memory_weight: float,
+    manual: Mapping[str, int] | None,
+    auto_partition: bool,
+    default_partition: int,
+    optimizer_state_factor: float,
+    replicate: bool,
+) -> PartitionPlan:
     _check_num_stages(num_stages)
     if not 0.0 <= memory_weight <= 1.0:
         raise ValueError(f"memory_weight must be in [0, 1], got {memory_weight}; use e.g. 0.2")
@@ -213,7 +293,7 @@ def plan(
     if manual:
         _check_manual(trace, manual, num_stages)
         manual = _with_aliases(trace, manual)
-    costs = _CostModel(trace, memory_weight, optimizer_state_factor)
+    costs = _CostModel(trace, memory_weight, optimizer_state_factor, replicate=replicate)
     if auto_partition:
         stage_of = _auto_stages(costs, num_stages)
     else:
@@ -221,10 +301,24 @@ def plan(
         stage_of[_ROOT] = 0
     if manual:
         stage_of = _apply_manual(trace, stage_of, manual)
-    _check_shared_groups(trace, stage_of)
+    if not replicate:
+        _check_shared_groups(trace, stage_of)
+    _check_aliases_together(trace, stage_of)
     _check_no_empty_stage(stage_of, num_stages)
     ordered_state = tuple(fqn for fqn, record in trace.modules.items() if record.updates_buffers)
-    return PartitionPlan(num_stages, stage_of, _stage_costs(costs, stage_of, num_stages), ordered_state)
+    return PartitionPlan(
+        num_stages, stage_of, _stage_costs(costs, stage_of, num_stages), ordered_state, _replicated(trace, stage_of)
+    )
+
+
+def _replicated(trace: ModelTrace, stage_of: Mapping[str, int]) -> dict[str, tuple[int, ...]]:
+    """Original FQN -> stages holding a copy, for every shared parameter whose holders sit on several stages."""
+    result = {}
+    for shared in trace.shared_parameters:
+        stages = sorted({stage_of[holder] for holder in shared.holders})
+        if len(stages) > 1:
+            result[shared.fqn] = tuple(stages)
+    return result
 
 
 # ----------------------------------------------------------------------------- cost model
@@ -235,8 +329,11 @@ _Item = tuple[str, bool]  # (module FQN, is_residual); a subtree node when is_re
 class _CostModel:
     """Per-subtree FLOPs, bytes, call order and shared-group membership of a trace."""
 
-    def __init__(self, trace: ModelTrace, memory_weight: float, optimizer_state_factor: float = 3.0) -> None:
+    def __init__(
+        self, trace: ModelTrace, memory_weight: float, optimizer_state_factor: float = 3.0, replicate: bool = False
+    ) -> None:
         self.trace = trace
+        self.replicate = replicate
         self.memory_weight = memory_weight
         self.optimizer_state_factor = optimizer_state_factor
         records = trace.modules
@@ -251,9 +348,19 @@ class _CostModel:
         self.first_call[_ROOT] = -1  # the root runs the step: treat it as called first
         self.total_flops = self.flops[_ROOT]
         self.total_bytes = self.bytes[_ROOT]
-        self.group_of = {m: i for i, group in enumerate(trace.shared_groups) for m in group}
+        # Nodes merged into one: modules sharing a parameter (colocate), or only names of one module object holding
+        # parameters (replicate); see [Note: tied weights].
+        holding = {m for group in trace.shared_groups for m in group}
+        merged = [g for g in trace.alias_groups if holding.intersection(g)] if replicate else trace.shared_groups
+        self.group_of = {m: i for i, group in enumerate(merged) for m in group}
+        # Replicated parameters: module -> indices into trace.shared_parameters it holds; the charge of a copy.
+        self.shared_of: dict[str, list[int]] = {}
+        for index, shared in enumerate(trace.shared_parameters):
+            for holder in shared.holders:
+                self.shared_of.setdefault(holder, []).append(index)
+        self.copy_cost = [self.cost(0.0, s.num_bytes * optimizer_state_factor) for s in trace.shared_parameters]
         self._called_children = {fqn: self._order_called_children(fqn) for fqn in records}
-        self._cache: dict[_Item, tuple[float, list[str], frozenset[int]]] = {}
+        self._cache: dict[tuple, tuple] = {}
 
     def _summarise(self, fqn: str) -> None:
         record = self.trace.modules[fqn]
@@ -303,6 +410,17 @@ class _CostModel:
 
     def expand(self, fqn: str) -> list[_Item]:
         return [(fqn, True)] + [(child, False) for child in self.called_children(fqn)]
+
+    def copies(self, item: _Item) -> tuple[frozenset[int], frozenset[int]]:
+        """(shared parameters some module of the node holds, those whose first owner is in the node)."""
+        key = ("copies",) + item
+        if key not in self._cache:
+            members = self.describe(item)[1]
+            touched = frozenset(i for m in members for i in self.shared_of.get(m, ()))
+            inside = set(members) if touched else set()
+            first = frozenset(i for i in touched if self.trace.shared_parameters[i].holders[0] in inside)
+            self._cache[key] = (touched, first)
+        return self._cache[key]
 
     def describe(self, item: _Item) -> tuple[float, list[str], frozenset[int]]:
         """(cost, covered module FQNs, shared-group indices) of a node."""
@@ -474,7 +592,20 @@ def _merge(costs: _CostModel, frontier: list[_Item]) -> list[list[int]]:
 
 
 def _node_costs(costs: _CostModel, frontier: list[_Item], nodes: list[list[int]]) -> list[float]:
-    return [sum(costs.describe(frontier[i])[0] for i in node) for node in nodes]
+    if not costs.replicate or not costs.shared_of:
+        return [sum(costs.describe(frontier[i])[0] for i in node) for node in nodes]
+    return [sum(costs.describe(frontier[i])[0] for i in node) + _copy_charge(costs, frontier, node) for node in nodes]
+
+
+def _copy_charge(costs: _CostModel, frontier: list[_Item], node: list[int]) -> float:
+    """Memory of the replicated parameters this node holds without their first owner (see [Note: tied weights])."""
+    held: set[int] = set()
+    owned: set[int] = set()
+    for i in node:
+        touched, first = costs.copies(frontier[i])
+        held |= touched
+        owned |= first
+    return sum(costs.copy_cost[index] for index in held - owned)
 
 
 def _split(costs: _CostModel, frontier: list[_Item], num_stages: int) -> _Split:
@@ -629,8 +760,19 @@ def _check_shared_groups(trace: ModelTrace, stage_of: Mapping[str, int]) -> None
             where = ", ".join(f"{fqn!r} -> {stage_of[fqn]}" for fqn in group)
             raise ValueError(
                 f"modules that share parameters are placed on different stages ({where}); "
-                "shared parameters need one stage: place all of them on the same stage in the "
-                "manual map"
+                "with tied_weights='colocate' shared parameters need one stage: place all of them on the same "
+                "stage in the manual map, or use tied_weights='replicate' (a copy on each stage, gradients summed)"
+            )
+
+
+def _check_aliases_together(trace: ModelTrace, stage_of: Mapping[str, int]) -> None:
+    holding = {m for group in trace.shared_groups for m in group}
+    for group in trace.alias_groups:
+        if holding.intersection(group) and len({stage_of[fqn] for fqn in group}) > 1:
+            where = ", ".join(f"{fqn!r} -> {stage_of[fqn]}" for fqn in group)
+            raise ValueError(
+                f"one module object with parameters, registered as several names, is placed on different stages"
+                f" ({where}); a module runs on one stage: place all its names on the same stage"
             )
 
 
@@ -652,20 +794,31 @@ def stage_costs(
     *,
     memory_weight: float = 0.2,
     optimizer_state_factor: float = 3.0,
+    charge_copies: bool = True,
 ) -> tuple[float, ...]:
     """Normalised cost of each stage for *any* assignment of modules to stages (plans, baselines, hand splits).
 
     Uses the same cost model as :func:`plan`; each module contributes its own cost (self compute, own memory)
-    to its stage. The costs sum to 1 (all zeros for a model without compute and memory).
+    to its stage, and, with ``charge_copies``, a stage holding a tied parameter whose first owner is elsewhere pays
+    for its copy (see [Note: tied weights]; ``False`` scores the split as if ties were free). The costs are
+    normalised by the model without copies: they sum to 1 when no copy is charged (all zeros for a model without
+    compute and memory).
     """
-    return _stage_costs(_CostModel(trace, memory_weight, optimizer_state_factor), stage_of, num_stages)
+    costs = _CostModel(trace, memory_weight, optimizer_state_factor)
+    return _stage_costs(costs, stage_of, num_stages, charge_copies)
 
 
-def _stage_costs(costs: _CostModel, stage_of: Mapping[str, int], num_stages: int) -> tuple:
+def _stage_costs(costs: _CostModel, stage_of: Mapping[str, int], num_stages: int, charge_copies: bool = True) -> tuple:
+    """Own costs per stage plus one copy of each replicated parameter on every stage holding it besides its first
+    owner's; normalised by the model without copies (see [Note: tied weights])."""
     raw = [0.0] * num_stages
     for fqn, stage in stage_of.items():
         raw[stage] += costs.own_cost(fqn)
     total = sum(raw)
+    for index, shared in enumerate(costs.trace.shared_parameters if charge_copies else ()):
+        owner = stage_of.get(shared.holders[0])
+        for stage in {stage_of[h] for h in shared.holders if h in stage_of} - {owner}:
+            raw[stage] += costs.copy_cost[index]
     return tuple(c / total if total > 0 else 0.0 for c in raw)
 
 
@@ -719,4 +872,6 @@ def holds_parameters(trace: ModelTrace, fqn: str) -> bool:
     record = trace.modules.get(fqn)
     if record is None:
         return True
-    return record.num_params > 0 or any(holds_parameters(trace, child) for child in record.children)
+    if record.num_params > 0 or any(fqn in shared.holders for shared in trace.shared_parameters):
+        return True
+    return any(holds_parameters(trace, child) for child in record.children)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["ModelTrace", "ModuleRecord", "trace"]
+__all__ = ["ModelTrace", "ModuleRecord", "SharedParameter", "trace"]
 
 
 @dataclass
@@ -61,6 +61,32 @@ class ModuleRecord:
     updates_buffers: bool = False
 
 
+@dataclass(frozen=True)
+class SharedParameter:
+    """One ``nn.Parameter`` object held by several modules (a tied weight), or by one module under several names.
+
+    Attributes:
+        names: every FQN naming it (``module_fqn.attribute``), in ``named_modules(remove_duplicate=False)`` order;
+            ``names[0]`` is its *original* FQN, the one ``model.named_parameters()`` yields.
+        num_bytes: bytes of the parameter.
+        num_params: elements of the parameter.
+    """
+
+    names: tuple[str, ...]
+    num_bytes: int
+    num_params: int
+
+    @property
+    def fqn(self) -> str:
+        """The original FQN (``named_parameters()``'s name)."""
+        return self.names[0]
+
+    @property
+    def holders(self) -> tuple[str, ...]:
+        """FQNs of the modules holding it directly, in order, without repeats."""
+        return tuple(dict.fromkeys(name.rpartition(".")[0] for name in self.names))
+
+
 @dataclass
 class ModelTrace:
     """The module tree of a model with per-module costs, as recorded by :func:`trace`.
@@ -76,6 +102,8 @@ class ModelTrace:
         alias_groups: groups of FQNs that name one and the same module object
             (``self.lin1 = self.lin0``, and the submodules under both names), in
             ``named_modules`` order; a placement of one name places them all.
+        shared_parameters: every parameter with more than one FQN (see :class:`SharedParameter`), in the order of
+            their original FQNs.
     """
 
     modules: dict[str, ModuleRecord]
@@ -83,6 +111,7 @@ class ModelTrace:
     total_flops: float = 0.0
     total_time_s: float | None = None
     alias_groups: list[list[str]] = field(default_factory=list)
+    shared_parameters: list[SharedParameter] = field(default_factory=list)
 
     @property
     def timed(self) -> bool:
@@ -138,6 +167,7 @@ def trace(
         total_flops=total_flops,
         total_time_s=total_time_s,
         alias_groups=_alias_groups(model),
+        shared_parameters=shared_parameters(model),
     )
 
 
@@ -299,6 +329,22 @@ def _alias_groups(model: nn.Module) -> list[list[str]]:
     for fqn, module in model.named_modules(remove_duplicate=False):
         names.setdefault(id(module), []).append(fqn)
     return [group for group in names.values() if len(group) > 1]
+
+
+def shared_parameters(model: nn.Module) -> list[SharedParameter]:
+    """Every parameter of ``model`` named by more than one FQN (tied weights, aliased modules); works on meta."""
+    names: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        for attribute, param in module._parameters.items():
+            if param is not None:
+                names.setdefault(id(param), []).append(f"{fqn}.{attribute}" if fqn else attribute)
+                tensors[id(param)] = param
+    return [
+        SharedParameter(tuple(group), tensors[key].numel() * tensors[key].element_size(), tensors[key].numel())
+        for key, group in names.items()
+        if len(group) > 1
+    ]
 
 
 def _shared_groups(model: nn.Module) -> list[list[str]]:

@@ -2,7 +2,9 @@
 
 Every rank holds its own stage's parameters under their original names (the engine never renames), so one DCP
 save writes each parameter once, from the rank that owns it (replicas on other data-parallel ranks are
-deduplicated by DCP's planner), and a load reads each rank's keys wherever they were saved from. A checkpoint
+deduplicated by DCP's planner), and a load reads each rank's keys wherever they were saved from. A parameter with
+several names (a tied weight, copied on several stages under ``tied_weights="replicate"``) is saved once, under its
+original FQN, and a load fills every name and copy from it (see [Note: replicated tied weights] in ``_tied.py``). A checkpoint
 is a folder: DCP's shards plus ``meta.pt`` with Lightning's non-tensor state (epoch, loops, callbacks), the same
 layout as Lightning's ``ModelParallelStrategy`` with ``save_distributed_checkpoint=True``. With
 ``save_distributed_checkpoint=False`` a checkpoint is one full Lightning file instead (see
@@ -12,6 +14,7 @@ layout as Lightning's ``ModelParallelStrategy`` with ``save_distributed_checkpoi
 from __future__ import annotations
 
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from lightning_mp.nn._base import sharded_parameter_ranks
+from lightning_mp.strategy._tied import rename_flat_key
 
 __all__ = [
     "consolidate_checkpoint",
@@ -98,27 +102,40 @@ def name_checkpoint_folders(callbacks: list[Any]) -> None:
             )
 
 
-def save_checkpoint(checkpoint: dict[str, Any], path: Path, is_global_zero: bool) -> None:
+def _originals(state: dict[str, Any], names: Mapping[str, str], flat: bool = False) -> dict[str, Any]:
+    """``state`` keyed by original FQNs: every other name of a shared parameter folds into its original one."""
+    renamed: dict[str, Any] = {}
+    for key, value in state.items():
+        renamed.setdefault(rename_flat_key(key, names) if flat else names.get(key, key), value)
+    return renamed
+
+
+def save_checkpoint(
+    checkpoint: dict[str, Any], path: Path, is_global_zero: bool, names: Mapping[str, str] | None = None
+) -> None:
     """Write ``checkpoint`` (Lightning's dict) as a DCP folder. Every rank must call this.
 
     An existing file or folder at ``path`` is replaced (shards of an earlier layout would otherwise stay).
+    ``names``: other names of shared parameters -> original FQN; each is saved once, under the original.
     """
+    names = names or {}
     if is_global_zero and path.is_file():
         path.unlink()
     elif is_global_zero and path.is_dir():
         shutil.rmtree(path)
     dist.barrier()
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {"state_dict": checkpoint.pop("state_dict")}
+    tensors = {"state_dict": _originals(checkpoint.pop("state_dict"), names)}
     for index, state in enumerate(checkpoint.pop("optimizer_states", [])):
-        tensors[f"optimizer_{index}"] = state
+        tensors[f"optimizer_{index}"] = _originals(state, names, flat=True)
     dcp.save(tensors, checkpoint_id=path)
     if is_global_zero:
         torch.save(checkpoint, path / METADATA_FILENAME)
 
 
 def load_checkpoint(
-    path: Path, model: nn.Module, optimizers: list[Optimizer], *, strict: bool, weights_only: bool | None
+    path: Path, model: nn.Module, optimizers: list[Optimizer], *, strict: bool, weights_only: bool | None,
+    names: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Load a folder written by :func:`save_checkpoint` into ``model`` and ``optimizers``; return the rest.
 
@@ -130,14 +147,19 @@ def load_checkpoint(
             f"{path} is neither a lightning_mp checkpoint folder (with {METADATA_FILENAME}) nor a checkpoint file."
             " Pass the path of a folder written with save_distributed_checkpoint=True or of a Lightning .ckpt file."
         )
-    state = {"state_dict": model_state_dict(model)}
+    names = names or {}
+    local = model_state_dict(model)
+    state = {"state_dict": _originals(local, names)}
     dcp.load(state, checkpoint_id=path)
-    model.load_state_dict(state["state_dict"], strict=strict)
+    model.load_state_dict({k: state["state_dict"][names.get(k, k)] for k in local}, strict=strict)
     for index, optimizer in enumerate(optimizers):
         key = f"optimizer_{index}"
-        optim_state = {key: optimizer_state_dict(model, optimizer)}
+        local_optim = optimizer_state_dict(model, optimizer)
+        optim_state = {key: _originals(local_optim, names, flat=True)}
         dcp.load(optim_state, checkpoint_id=path)
-        loaded = {k.partition("@tp")[0]: v for k, v in optim_state[key].items()}  # see optimizer_state_dict
+        loaded = {  # see optimizer_state_dict for the @tp suffix
+            k.partition("@tp")[0]: optim_state[key][rename_flat_key(k, names)] for k in local_optim
+        }
         set_optimizer_state_dict(model, optimizer, optim_state_dict=loaded, options=_OPTIM_OPTIONS)
     return torch.load(path / METADATA_FILENAME, weights_only=weights_only)
 
@@ -154,9 +176,13 @@ def load_checkpoint(
 # back to FQNs the same way.
 
 
-def param_groups_by_fqn(model: nn.Module, optimizer: Optimizer) -> list[list[str]]:
-    """This rank's optimizer groups as lists of parameter FQNs (in the group's order)."""
-    names = {id(p): fqn for fqn, p in model.named_parameters()}
+def param_groups_by_fqn(
+    model: nn.Module, optimizer: Optimizer, originals: Mapping[str, str] | None = None
+) -> list[list[str]]:
+    """This rank's optimizer groups as lists of parameter FQNs (in the group's order); with ``originals``, a copy of
+    a replicated tied weight goes by its original FQN."""
+    originals = originals or {}
+    names = {id(p): originals.get(fqn, fqn) for fqn, p in model.named_parameters()}
     return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
 
 
@@ -185,16 +211,18 @@ def _split_flat_key(key: str) -> tuple[str, str, str]:
 
 def consolidate_checkpoint(
     checkpoint: dict[str, Any], local_groups: list[list[list[str]]], param_order: list[str],
-    group: dist.ProcessGroup | None, dst: int,
+    group: dist.ProcessGroup | None, dst: int, names: Mapping[str, str] | None = None,
 ) -> dict[str, Any] | None:
     """Gather every stage's part of ``checkpoint`` to global rank ``dst``; return the full checkpoint there.
 
     Every rank of ``group`` (the pipeline group of replica 0) must call this with its own ``checkpoint`` (FQN-keyed
     ``state_dict`` and flattened ``optimizer_states`` as :func:`optimizer_state_dict` gives them).
     ``local_groups[i]`` is :func:`param_groups_by_fqn` of optimizer ``i`` on this rank. Returns ``None`` elsewhere.
+    The ``state_dict`` keeps every name of a tied weight, as on one device; optimizer states go by original FQNs
+    (``names``: other name -> original FQN).
     """
-    part = {"state_dict": checkpoint["state_dict"], "optimizer_states": checkpoint.get("optimizer_states", []),
-            "groups": local_groups}
+    optimizer_states = [_originals(state, names or {}, flat=True) for state in checkpoint.get("optimizer_states", [])]
+    part = {"state_dict": checkpoint["state_dict"], "optimizer_states": optimizer_states, "groups": local_groups}
     parts: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
     dist.gather_object(part, parts, dst=dst, group=group)
     if parts is None:
@@ -250,15 +278,15 @@ def gather_sharded_optimizer_states(
 
 def save_full_checkpoint(
     checkpoint: dict[str, Any], path: Path, model: nn.Module, optimizers: list[Optimizer], param_order: list[str],
-    group: dist.ProcessGroup, checkpoint_io: Any | None,
+    group: dist.ProcessGroup, checkpoint_io: Any | None, names: Mapping[str, str] | None = None,
 ) -> None:
     """Write one full Lightning checkpoint file from global rank 0 (``save_distributed_checkpoint=False``).
 
     Every rank of replica 0's pipeline ``group`` calls this; the rank given a ``checkpoint_io`` (global rank 0)
     writes, replacing a DCP folder of the same name.
     """
-    groups = [param_groups_by_fqn(model, optimizer) for optimizer in optimizers]
-    full = consolidate_checkpoint(checkpoint, groups, param_order, group, dst=0)
+    groups = [param_groups_by_fqn(model, optimizer, names) for optimizer in optimizers]
+    full = consolidate_checkpoint(checkpoint, groups, param_order, group, dst=0, names=names)
     if checkpoint_io is not None:
         assert full is not None
         if path.is_dir():
@@ -269,6 +297,7 @@ def save_full_checkpoint(
 def load_full_checkpoint(
     path: Path, model: nn.Module, optimizers: list[Optimizer], param_order: list[str], group: dist.ProcessGroup,
     *, strict: bool, weights_only: bool | None, local_optimizers: list[Optimizer] | None = None,
+    names: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Load a full Lightning checkpoint file (one device's, or one written with ``save_distributed_checkpoint=False``).
 
@@ -283,11 +312,13 @@ def load_full_checkpoint(
     """
     local_optimizers = optimizers if local_optimizers is None else local_optimizers
     stages: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(stages, [param_groups_by_fqn(model, o) for o in optimizers], group=group)
+    dist.all_gather_object(stages, [param_groups_by_fqn(model, o, names) for o in optimizers], group=group)
     full_groups = [full_param_groups([stage[i] for stage in stages], param_order) for i in range(len(optimizers))]
     checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
     saved = checkpoint.pop("state_dict")
     local_keys = model.state_dict().keys()
+    names = names or {}
+    saved = {**{k: saved[o] for k, o in names.items() if k not in saved and o in saved}, **saved}  # tied: one name
     missing = sorted(k for k in local_keys if k not in saved)
     if missing and strict:
         raise RuntimeError(f"{path} has no entry for {missing[:5]} of this model; pass a checkpoint of this model.")
@@ -296,14 +327,16 @@ def load_full_checkpoint(
         optimizer_states = checkpoint.get("optimizer_states", [])
         if index >= len(optimizer_states):
             break
-        _load_native_optimizer_state(optimizer, model, optimizer_states[index], fqn_groups, path)
+        _load_native_optimizer_state(optimizer, model, optimizer_states[index], fqn_groups, path, names)
     checkpoint.pop("optimizer_states", None)
     return checkpoint
 
 
 def _load_native_optimizer_state(
-    optimizer: Optimizer, model: nn.Module, native: dict[str, Any], fqn_groups: list[list[str]], path: Path
+    optimizer: Optimizer, model: nn.Module, native: dict[str, Any], fqn_groups: list[list[str]], path: Path,
+    originals: Mapping[str, str] | None = None,
 ) -> None:
+    originals = originals or {}
     saved_groups = native["param_groups"]
     sizes, expected = [len(g["params"]) for g in saved_groups], [len(g) for g in fqn_groups]
     if sizes != expected:
@@ -312,7 +345,7 @@ def _load_native_optimizer_state(
             " Resume with the same `configure_optimizers`, or load only the weights (`Model.load_from_checkpoint`)."
         )
     id_of = {fqn: pid for group, fqns in zip(saved_groups, fqn_groups) for pid, fqn in zip(group["params"], fqns)}
-    names = {id(p): fqn for fqn, p in model.named_parameters()}
+    names = {id(p): originals.get(fqn, fqn) for fqn, p in model.named_parameters()}
     local: dict[str, Any] = {"state": {}, "param_groups": []}
     next_index = 0
     for group, saved_group in zip(optimizer.param_groups, saved_groups):

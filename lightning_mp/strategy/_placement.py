@@ -61,6 +61,8 @@ def make_plan(
         manual={**manual_placements(module), **config.partition},  # the strategy's map wins for one FQN
         auto_partition=config.auto_partition,
         default_partition=config.default_partition,
+        # tie groups are not built over tensor-parallel shards yet: "auto" colocates there (see SMPConfig.tied_weights)
+        tied_weights=config.tied_weights if config.tensor_parallel_degree == 1 else "colocate",
     )
     if trainer.state.fn == TrainerFn.FITTING:
         _check_every_stage_has_parameters(stages, model_trace)
@@ -116,6 +118,7 @@ def _check_every_stage_has_parameters(stages: PartitionPlan, model_trace: ModelT
     counts = [0] * stages.num_stages
     for fqn, stage in stages.stage_of.items():
         counts[stage] += model_trace.modules[fqn].num_params
+    counts = [c + r for c, r in zip(counts, stages.replica_params(model_trace))]
     empty = [stage for stage, count in enumerate(counts) if count == 0]
     if empty:
         raise ValueError(

@@ -47,6 +47,7 @@ from lightning_mp.strategy import _tp
 from lightning_mp.strategy._exit import release_at_exit
 from lightning_mp.strategy._launch import apply_thread_policy, make_launcher, resolve_resume_path
 from lightning_mp.strategy._metrics import load_metric_log, sync_metrics_over
+from lightning_mp.strategy._tied import TiedWeights, build_tied_weights, original_names, replicated_stages
 from lightning_mp.strategy._precision import install_synced_scaler, loss_scale_of
 from lightning_mp.strategy._reducer import GradientReducer
 from lightning_mp.strategy._summary import (
@@ -105,6 +106,9 @@ class SMPStrategy(ParallelStrategy):
         partition: manual placement ``{module FQN: stage}``; innermost wins; auto fills the rest.
         optimize: ``"speed"`` (memory_weight 0.2) or ``"memory"`` (0.8), the partition objective preset.
         memory_weight: weight of memory balance in [0, 1]; overrides ``optimize``.
+        tied_weights: modules sharing a parameter: ``"colocate"`` (one stage), ``"replicate"`` (a copy on each stage
+            using it, gradients summed over those stages) or ``"auto"`` (replicate when that balances better); see
+            :class:`lightning_mp.SMPConfig` and ``strategy/_tied.py``.
         trace_execution_times: balance measured module times instead of FLOPs (SMP's knob of that name).
         partition_plan: reuse a saved plan (JSON from ``PartitionSummary`` or a lightning_mp checkpoint folder)
             instead of tracing; a resumed run is then placed exactly as before.
@@ -151,6 +155,7 @@ class SMPStrategy(ParallelStrategy):
         partition: dict[str, int] | None = None,
         optimize: Literal["speed", "memory"] = "speed",
         memory_weight: float | None = None,
+        tied_weights: Literal["colocate", "replicate", "auto"] = "auto",
         trace_execution_times: bool = False,
         partition_plan: str | None = None,
         process_group_backend: str | None = None,
@@ -188,6 +193,7 @@ class SMPStrategy(ParallelStrategy):
             partition=dict(partition or {}),
             optimize=optimize,
             memory_weight=memory_weight,
+            tied_weights=tied_weights,
             trace_execution_times=trace_execution_times,
             partition_plan=partition_plan,
             process_group_backend=process_group_backend,
@@ -201,6 +207,8 @@ class SMPStrategy(ParallelStrategy):
         self._start_method = start_method
         self._save_distributed_checkpoint = save_distributed_checkpoint
         self._param_order: list[str] | None = None  # the whole model's parameter FQNs, before placement
+        self._param_names: dict[str, str] = {}  # other names of shared parameters -> original FQN (see _tied.py)
+        self._tied = TiedWeights([])
         self._replan_on_resume = replan_on_resume
         self._resume_path: str | Path | None = None  # set by the launcher (see `resume_path_of` in _launch.py)
         self.num_nodes = 1
@@ -421,6 +429,7 @@ class SMPStrategy(ParallelStrategy):
         self.model_to_device()
         if self._param_order is None:
             self._param_order = [fqn for fqn, _ in self.model.named_parameters()]
+            self._param_names = original_names(self.model)
         if self._save_distributed_checkpoint:
             _checkpoint.name_checkpoint_folders(trainer.checkpoint_callbacks)
         self._place_modules(trainer)
@@ -428,7 +437,9 @@ class SMPStrategy(ParallelStrategy):
         if self.topology.pipeline_parallel_degree * self.topology.tensor_parallel_degree > 1:
             sync_metrics_over(self.lightning_module, self.device_mesh.get_group(MeshAxis.DP.value))
         if self.topology.pipeline_parallel_degree > 1:  # Lightning's summary counts the whole model
-            counts = gather_parameter_counts(self.lightning_module, self.device_mesh.get_group(MeshAxis.PP.value))
+            counts = gather_parameter_counts(
+                self.lightning_module, self.device_mesh.get_group(MeshAxis.PP.value), skip=set(self._param_names)
+            )
             summarize_whole_model(trainer.callbacks, counts)
         if self.topology.data_parallel_degree == 1:
             silence_single_replica_sync_advice()
@@ -454,6 +465,12 @@ class SMPStrategy(ParallelStrategy):
             rank_zero_warn(
                 f"microbatches={self.config.microbatches} is fewer than pipeline_parallel_degree={pp}: stages mostly"
                 f" wait for each other. Use microbatches >= {pp} (e.g. {2 * pp}) for the pipeline to overlap work."
+            )
+        if self.config.tensor_parallel_degree > 1 and self.config.tied_weights == "replicate":
+            raise ValueError(
+                f"tied_weights='replicate' with tensor_parallel_degree={self.config.tensor_parallel_degree} is not"
+                " supported yet (tie groups over tensor-parallel shards are not built). Use tied_weights='colocate' or"
+                " 'auto' (which co-locates under tensor parallelism)."
             )
         if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
             raise ValueError(
@@ -510,6 +527,7 @@ class SMPStrategy(ParallelStrategy):
                 )
                 module.example_input_array = None
         assert self._engine is not None
+        self._plan = self._check_ties(self._plan, module)
         stage_of = self._plan.stage_of
         if self.config.tensor_parallel_degree > 1:
             stage_of, _ = _tp.apply_tensor_parallelism(
@@ -520,6 +538,8 @@ class SMPStrategy(ParallelStrategy):
             materialize_stage(module, self.root_device, self.pp_rank)
         if self.config.release_host_memory:
             trim_host_memory()  # what the build, the trace and the replay freed
+        self._tied = build_tied_weights(module, self._plan, self._param_names, self.topology, self.config.timeout)
+        self._tied.broadcast_copies()  # see [Note: replicated tied weights] in _tied.py
         self._engine.order_gradients(module)
 
     def _build_reducer(self) -> None:
@@ -540,6 +560,23 @@ class SMPStrategy(ParallelStrategy):
             is_complete=engine.gradient_complete,
             previous=self._grads.previous,
         )
+
+    def _check_ties(self, stages: PartitionPlan, module: torch.nn.Module) -> PartitionPlan:
+        """The plan with its replicated parameters as its placement implies (a plan saved before they were recorded
+        gets them); an error if it splits a tie under ``tied_weights="colocate"``."""
+        replicated = replicated_stages(module, stages.stage_of)
+        if replicated and self.config.tensor_parallel_degree > 1:
+            raise ValueError(
+                f"The partition plan places modules that share a parameter on different stages ({replicated}), which"
+                " is not supported with tensor_parallel_degree > 1 yet. Use a plan that keeps tied modules together."
+            )
+        if replicated and self.config.tied_weights == "colocate":
+            raise ValueError(
+                f"The partition plan places modules that share a parameter on different stages ({replicated}), but"
+                " tied_weights='colocate'. Use tied_weights='replicate' (or 'auto') to keep a copy on each stage, or"
+                " a plan that keeps tied modules together."
+            )
+        return stages if replicated == stages.replicated else replace(stages, replicated=replicated)
 
     def _sample_to_device(self, batch: Any) -> Any:
         return self.precision_plugin.convert_input(self.batch_to_device(batch))
@@ -688,8 +725,12 @@ class SMPStrategy(ParallelStrategy):
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """Step after the data-parallel gradient all-reduce (once per optimizer step, after accumulation): the
         buckets launched during backward are waited for here (see [Note: overlapped gradient all-reduce]), else
-        the gradients are all-reduced now."""
-        if self.topology.data_parallel_degree == 1 and self.topology.tensor_parallel_degree == 1:
+        the gradients are all-reduced now; then replicated tied weights sum their gradients (``_tied.py``)."""
+        if (
+            self.topology.data_parallel_degree == 1
+            and self.topology.tensor_parallel_degree == 1
+            and not self._tied.active
+        ):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
         def closure_then_all_reduce() -> Any:
@@ -703,6 +744,7 @@ class SMPStrategy(ParallelStrategy):
                         self.device_mesh.get_group(MeshAxis.DP.value),
                         self.topology.data_parallel_degree,
                     )
+            self._tied.reduce_gradients()  # after the dp average, so every copy gets the same bits (_tied.py)
             return result
 
         return super().optimizer_step(optimizer, closure_then_all_reduce, model, **kwargs)
@@ -710,7 +752,7 @@ class SMPStrategy(ParallelStrategy):
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float | int) -> None:
         """``gradient_clip_algorithm="norm"`` over the whole model: reduced over stages and tp shards (``_tp``)."""
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        total = _tp.global_grad_norm(params, self.groups, self.root_device)
+        total = _tp.global_grad_norm(self._tied.counted_once(params), self.groups, self.root_device)
         torch.nn.utils.clip_grads_with_norm_(params, clip_val, total.to(params[0].dtype if params else torch.float32))
 
     # ---- collectives -----------------------------------------------------------------------------------------
@@ -753,7 +795,7 @@ class SMPStrategy(ParallelStrategy):
         path = Path(self.broadcast(str(filepath)))
         checkpoint[PLAN_KEY] = {"partition_plan": self.partition_plan.to_dict()}
         if self._save_distributed_checkpoint:
-            _checkpoint.save_checkpoint(checkpoint, path, self.is_global_zero)
+            _checkpoint.save_checkpoint(checkpoint, path, self.is_global_zero, self._param_names)
             return
         if self._sharded_optimizers():  # ZeRO-1: each dp rank holds a share of its stage's optimizer state
             group = self.device_mesh.get_group(MeshAxis.DP.value)
@@ -767,6 +809,7 @@ class SMPStrategy(ParallelStrategy):
             _checkpoint.save_full_checkpoint(
                 checkpoint, path, self.model, [_unwrap(o) for o in self.optimizers], self._param_order,
                 self.device_mesh.get_group(MeshAxis.PP.value), self.checkpoint_io if self.is_global_zero else None,
+                self._param_names,
             )
         self.barrier("save_checkpoint")
 
@@ -785,10 +828,12 @@ class SMPStrategy(ParallelStrategy):
             checkpoint = _checkpoint.load_full_checkpoint(
                 path, self.model, optimizers, self._param_order, self.device_mesh.get_group(MeshAxis.PP.value),
                 strict=self.lightning_module.strict_loading, weights_only=weights_only, local_optimizers=local,
+                names=self._param_names,
             )
         else:
             checkpoint = _checkpoint.load_checkpoint(
-                path, self.model, local, strict=self.lightning_module.strict_loading, weights_only=weights_only
+                path, self.model, local, strict=self.lightning_module.strict_loading, weights_only=weights_only,
+                names=self._param_names,
             )
         for optimizer in optimizers:
             sync_hyperparameters_from_local(optimizer)

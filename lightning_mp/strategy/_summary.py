@@ -30,21 +30,26 @@ __all__ = [
 Counts = dict[str, tuple[int, int]]  # module FQN -> (parameter elements it holds itself, of which trainable)
 
 
-def _local_counts(module: nn.Module) -> Counts:
+def _local_counts(module: nn.Module, skip: set[str]) -> Counts:
     seen: set[int] = set()
     counts: Counts = {}
     for fqn, child in module.named_modules():
-        own = [p for p in child.parameters(recurse=False) if id(p) not in seen]
+        own = [
+            p for name, p in child.named_parameters(recurse=False)
+            if id(p) not in seen and (f"{fqn}.{name}" if fqn else name) not in skip
+        ]
         seen.update(id(p) for p in own)
         counts[fqn] = (sum(p.numel() for p in own), sum(p.numel() for p in own if p.requires_grad))
     return counts
 
 
-def gather_parameter_counts(module: nn.Module, group: dist.ProcessGroup) -> Counts:
-    """Every module's own parameter counts over the stages of ``group`` (a parameter lives on one stage; a
-    replicated tied weight is counted once). Every rank of ``group`` must call this."""
+def gather_parameter_counts(module: nn.Module, group: dist.ProcessGroup, skip: set[str] | None = None) -> Counts:
+    """Every module's own parameter counts over the stages of ``group``. Every rank of ``group`` must call this.
+
+    ``skip``: parameter FQNs not to count (the other names of shared parameters): a replicated tied weight then
+    counts once, at its first owner, as on one device."""
     stages: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(stages, _local_counts(module), group=group)
+    dist.all_gather_object(stages, _local_counts(module, skip or set()), group=group)
     merged: Counts = {}
     for counts in stages:
         for fqn, (total, trainable) in counts.items():
