@@ -16,6 +16,7 @@ __all__ = ["SMPConfig"]
 
 PipelineSchedule = Literal["interleaved", "simple"]
 Optimize = Literal["speed", "memory"]
+DataPlane = Literal["auto", "gloo", "nccl"]
 
 _DEFAULT_MEMORY_WEIGHT = {"speed": 0.2, "memory": 0.8}
 
@@ -102,6 +103,12 @@ class SMPConfig:
     """ZeRO-1 (SMP's ``shard_optimizer_state``): each data-parallel rank keeps and steps 1/dp of its stage's
     optimizer state (``torch.distributed.optim.ZeroRedundancyOptimizer``); checkpoints save the shards through DCP."""
 
+    data_plane: DataPlane = "auto"
+    """How tensor bytes travel between pipeline stages; headers always go over a CPU gloo group ([Note: two planes]
+    in ``comm/_planes.py``). ``"gloo"``: over that group, CUDA tensors staged through pinned host memory.
+    ``"nccl"``: one NCCL group per ordered pair of stages (CUDA only; NCCL before 2.30 refuses two ranks on one GPU).
+    ``"auto"``: ``"nccl"`` on CUDA when no two stages of a pipeline share a GPU (or NCCL >= 2.30), else ``"gloo"``."""
+
     placement_strategy: str = "cluster"
     """Which parallel axis gets neighbouring global ranks (SMP's knob): ``"cluster"`` (= ``"DPT"``: the ranks of a
     tensor-parallel group are neighbours, then the stages, then the replicas), ``"spread"`` (= ``"TPD"``: replicas
@@ -133,6 +140,8 @@ class SMPConfig:
         for name in ("delayed_parameter_initialization", "shard_optimizer_state"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
+        if self.data_plane not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"`data_plane` must be 'auto', 'gloo' or 'nccl', got {self.data_plane!r}.")
         order = {"cluster": "DPT", "spread": "TPD"}.get(self.placement_strategy, self.placement_strategy)
         if not isinstance(order, str) or sorted(order) != ["D", "P", "T"]:
             raise ValueError(
