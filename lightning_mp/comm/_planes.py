@@ -261,6 +261,18 @@ class _CommThread:
                 )
 
 
+def _connect_pairs(pairs: PairGroups, device: torch.device) -> None:
+    """Connect every pair group of this rank, in the one global order (each pair's two ranks take it in turn:
+    the smallest pair not yet connected always has both its ranks waiting on it, so this cannot deadlock)."""
+    for (src, dst), group in sorted(pairs.groups.items()):
+        probe = torch.ones(1, dtype=torch.uint8, device=device)
+        if src == pairs.stage:
+            work = dist.isend(probe, dst=pairs.global_ranks[dst], group=group)
+        else:
+            work = dist.irecv(probe, src=pairs.global_ranks[src], group=group)
+        work.wait()
+
+
 def _check_thread(ident: int | None, what: str) -> None:
     if threading.get_ident() != ident:
         raise StrictMockError(
@@ -278,6 +290,9 @@ class _NcclBackend:
     def __init__(self, pairs: PairGroups) -> None:
         self.pairs = pairs
         self.issuer: int | None = None
+
+    def warm_up(self, device: torch.device) -> None:
+        _connect_pairs(self.pairs, device)  # NCCL creates a communicator on its first call
 
     def isend(self, buffer: torch.Tensor, dst: int, seq: int) -> Any:
         _check_thread(self.issuer, f"the send of message {seq} to stage {dst}")
@@ -326,6 +341,9 @@ class StrictMockBackend:
     def _group(self, src: int, dst: int) -> tuple[dist.ProcessGroup, int]:
         peer = dst if src == self.pairs.stage else src
         return self.pairs.groups[(src, dst)], self.pairs.global_ranks[peer]
+
+    def warm_up(self, device: torch.device) -> None:
+        _connect_pairs(self.pairs, device)
 
     # ---- sender --------------------------------------------------------------------------------------------
 
@@ -472,18 +490,10 @@ class PairDataPlane:
         self.comm = _CommThread(device, timeout_s)
         backend.issuer = self.comm.ident
         backend.comm = self.comm
-        self.comm.call(self._warm_up)
+        self.comm.call(self._warm_up)  # on the communication thread: it issues every call, the first ones too
 
     def _warm_up(self) -> None:
-        """Connect every pair group of this rank, in the one global order (each pair's two ranks take it in turn)."""
-        pairs = self.backend.pairs
-        for (src, dst), group in sorted(pairs.groups.items()):
-            probe = torch.ones(1, dtype=torch.uint8, device=self.device)
-            if src == pairs.stage:
-                work = dist.isend(probe, dst=pairs.global_ranks[dst], group=group)
-            else:
-                work = dist.irecv(probe, src=pairs.global_ranks[src], group=group)
-            work.wait()
+        self.backend.warm_up(self.device)
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
 
