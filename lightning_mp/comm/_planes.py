@@ -21,10 +21,12 @@ listeners do). The data frame goes over a *data plane*:
   4. a send completes only once its receive is posted, so nothing waits on a send: the buffer is kept until the
      work completes, and the sending thread returns at once;
   5. streams: the sender records an event on its current stream after packing, *before* its header goes out,
-     and the communication thread's own stream waits on it before ``isend`` (so the producing kernels come
+     and the communication thread's send stream waits on it before ``isend`` (so the producing kernels come
      before the send, and a send never waits on work enqueued after its header, which could wait on a receive
-     that depends on this send); the receiving thread's current stream waits on the receive's work before the
-     bytes are unpacked on it.
+     that depends on this send). The receiver allocates the buffer on its current stream and records an event
+     that the communication thread's separate receive stream waits on before ``irecv`` (the block may still be
+     read by a kernel of its previous owner); its current stream waits on the receive's work before the bytes
+     are unpacked on it. Every GPU wait thus points back in causal order: no cycle across ranks.
 
 - :class:`StrictMockBackend`: the NCCL plane's code path (pair groups, communication thread, sequence and byte
   bookkeeping) with gloo under it, enforcing rules 1-4 and a watchdog, so CPU CI tests the protocol the NCCL plane
@@ -175,6 +177,8 @@ class _CommThread:
         self._ops: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: collections.deque[_Pending] = collections.deque()
         self._started = threading.Event()
+        self.send_stream: torch.cuda.Stream | None = None
+        self.recv_stream: torch.cuda.Stream | None = None
         self._thread = threading.Thread(target=self._loop, daemon=True, name="smp-comm")
         self._thread.start()
         self._started.wait()
@@ -220,7 +224,9 @@ class _CommThread:
     def _loop(self) -> None:
         if self.device.type == "cuda":  # every thread that issues CUDA work names its device
             torch.cuda.set_device(self.device)
-            torch.cuda.set_stream(torch.cuda.Stream(self.device))  # rule 5: its own stream, never the default one
+            # Rule 5: sends and receives each wait on their own stream, never on the default one (see PairDataPlane).
+            self.send_stream, self.recv_stream = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
+            torch.cuda.set_stream(self.send_stream)
         self._started.set()
         stopping = False
         while True:
@@ -520,12 +526,26 @@ class PairDataPlane:
         self.comm.keep(work, buffer, f"the send of message {seq} to stage {dst} ({buffer.numel()} bytes)")
 
     def recv(self, nbytes: int, src: int, seq: int) -> torch.Tensor:
-        # Allocated on this thread's current stream, where it is unpacked; NCCL keeps it for its own stream.
+        # Allocated on this thread's current stream, where it is unpacked; NCCL keeps it for its own stream. The
+        # receive waits for this stream's work so far (the block may have been freed by a kernel still running),
+        # on the communication thread's *receive* stream: the send stream must not inherit that wait, or a send
+        # that came before this stream's wait on some other receive could end up waiting on it (a cycle).
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        work = self.comm.call(self.backend.irecv, buffer, src, seq)
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        work = self.comm.call(self._issue_recv, buffer, ready, src, seq)
         self.backend.wait_recv(work, src, seq, self.timeout_s)
         self.comm.raise_if_failed()
         return buffer
+
+    def _issue_recv(self, buffer: torch.Tensor, ready: Any, src: int, seq: int) -> Any:
+        if ready is None:
+            return self.backend.irecv(buffer, src, seq)
+        with torch.cuda.stream(self.comm.recv_stream):
+            self.comm.recv_stream.wait_event(ready)
+            return self.backend.irecv(buffer, src, seq)
 
     def close(self) -> None:
         self.comm.close()
