@@ -123,7 +123,8 @@ def _placement(name: str, model: nn.Module) -> dict[str, int]:
         return stage_of
     from lightning_mp.partition import plan, trace
 
-    sample = _batch(name)
+    device = next(model.parameters()).device
+    sample = tuple(t.to(device) for t in _batch(name))
     return plan(trace(model, lambda: _loss(name, model, sample)), 2).stage_of
 
 
@@ -309,6 +310,9 @@ class _LoopBack(_NcclBackend):
             deferred.work = _Done()
             return _Done()
         group = self.pairs.groups[(0, 1)]
+        # The send joins the receive here, on the receive stream: it must also wait for what the send stream waited
+        # on (the sender's packing, rule 5).
+        torch.cuda.current_stream().wait_stream(self.comm.send_stream)
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, sent, 0, group), dist.P2POp(dist.irecv, buffer, 0, group)])
         deferred.work = works[0]
         return works[-1]

@@ -130,6 +130,15 @@ def test_unknown_or_impossible_data_planes_are_named_errors():
         make_data_plane("nccl", _Fake(), _CPU)
 
 
+def test_nccl_data_plane_on_cpu_is_refused_before_any_collective():
+    from lightning_mp import SMPConfig
+    from lightning_mp.strategy._transport import check_data_plane
+
+    with pytest.raises(ValueError, match="data_plane='nccl' moves CUDA tensors, but this rank runs on cpu"):
+        check_data_plane(SMPConfig(pipeline_parallel_degree=2, data_plane="nccl"), _CPU)
+    check_data_plane(SMPConfig(pipeline_parallel_degree=2, data_plane="auto"), _CPU)
+
+
 # ---- backward on the calling thread, through A -> B -> A --------------------------------------------------------
 
 _SEEN: list[tuple[str, bool]] = []
