@@ -322,9 +322,9 @@ class _NcclBackend:
 class StrictMockBackend:
     """NCCL's point-to-point rules, enforced on gloo pair groups (see [Note: two planes]).
 
-    Per message: the sender issues a small ``(seq, nbytes)`` frame and waits (on a per-destination waiter thread)
-    for the receiver's "posted" frame; only then does the communication thread send the data, so a send does not
-    complete before its receive is posted (rule 4). The receiver, after the header was read, posts its receive with
+    Per message: the sender issues a small ``(seq, nbytes)`` frame and the data; its send completes (buffer
+    released, watchdog stopped) only when the receiver's "posted" frame has come back (checked on a
+    per-destination waiter thread), so a send does not complete before its receive is posted (rule 4). The receiver, after the header was read, posts its receive with
     the header's byte count, checks the sender's ``(seq, nbytes)`` against it before posting the data receive
     (rules 1, 2), and every call checks it runs on the communication thread (rule 3). A send whose receive is not
     posted within ``watchdog_s`` fails the plane.
@@ -363,9 +363,12 @@ class StrictMockBackend:
         group, peer = self._group(self.pairs.stage, dst)
         meta = torch.tensor([seq, buffer.numel()], dtype=torch.int64)
         meta_work = dist.isend(meta, dst=peer, group=group, tag=self._META)
+        # gloo moves the bytes when the peer posts its receive; the send counts as complete (its buffer is released,
+        # the watchdog stops) only once the peer says it posted the receive, as an NCCL send.
+        data_work = dist.isend(buffer, dst=peer, group=group, tag=self._DATA)
         posted = torch.empty(2, dtype=torch.int64)
         posted_work = dist.irecv(posted, src=peer, group=group, tag=self._POSTED)
-        send = _MockSend(buffer, dst, seq, [meta], meta_work, posted, posted_work)
+        send = _MockSend(buffer, dst, seq, [meta], meta_work, posted, posted_work, data_work)
         if dst not in self._waiters:
             self._waiters[dst] = queue.SimpleQueue()
             threading.Thread(target=self._wait_posted, args=(dst,), daemon=True, name=f"smp-mock-{dst}").start()
@@ -386,8 +389,7 @@ class StrictMockBackend:
                         f"Exact byte counts: stage {dst} posted its receive of message {posted_seq} for"
                         f" {posted_nbytes} bytes; the send is message {send.seq} of {send.buffer.numel()} bytes."
                     )
-                work = self.comm.call(self._send_data, send)
-                work.wait(timedelta(seconds=self.watchdog_s))
+                send.data_work.wait(timedelta(seconds=self.watchdog_s))
                 send.done = True
             except BaseException as err:
                 self.comm.fail(
@@ -396,11 +398,6 @@ class StrictMockBackend:
                                    f" {self.watchdog_s:.0f} s, or the peer is gone ({err}).")
                 )
                 return
-
-    def _send_data(self, send: _MockSend) -> Any:
-        _check_thread(self.issuer, f"the data of message {send.seq} to stage {send.dst}")
-        group, peer = self._group(self.pairs.stage, send.dst)
-        return dist.isend(send.buffer, dst=peer, group=group, tag=self._DATA)
 
     # ---- receiver ------------------------------------------------------------------------------------------
 
@@ -463,6 +460,7 @@ class _MockSend:
     meta_work: Any
     posted: torch.Tensor
     posted_work: Any
+    data_work: Any
     done: bool = False
 
     def is_completed(self) -> bool:
