@@ -28,7 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from examples.gpt import GPT  # noqa: E402
-from lightning_mp.comm import Transport  # noqa: E402
+from lightning_mp.comm import Transport, build_pair_groups, make_data_plane  # noqa: E402
 from lightning_mp.partition import plan, trace  # noqa: E402
 from lightning_mp.pipeline import PipelineEngine, split_microbatches  # noqa: E402
 
@@ -60,14 +60,25 @@ def one_process(threads: int, steps: int, batch_size: int) -> list[float]:
     return times
 
 
-def _pipeline_rank(rank: int, init_file: str, out_dir: str, steps: int, microbatches: int, schedule: str, batch_size: int) -> None:
+def _transport(plane: str) -> Transport:
+    """The pipeline transport on ``plane``: ``gloo`` (default) or ``strict_mock`` (NCCL's rules on gloo)."""
+    group = dist.new_group([0, 1])
+    if plane == "gloo":
+        return Transport(group, torch.device("cpu"))
+    pairs = build_pair_groups([[0, 1]], "gloo")
+    return Transport(group, torch.device("cpu"), make_data_plane(plane, group, torch.device("cpu"), pairs, 300.0))
+
+
+def _pipeline_rank(
+    rank: int, init_file: str, out_dir: str, steps: int, microbatches: int, schedule: str, batch_size: int, plane: str
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(minutes=5))
     try:
         model, batch = _model(), _batch(batch_size)
         parts = split_microbatches(batch, microbatches)
         stage_of = plan(trace(model, lambda: _loss(model, parts[0])), 2).stage_of
-        engine = PipelineEngine(Transport(dist.new_group([0, 1]), torch.device("cpu")), 2, schedule=schedule)
+        engine = PipelineEngine(_transport(plane), 2, schedule=schedule)
         engine.install(model, stage_of)
         calls = [0]
         call_remote = engine.call_remote
@@ -95,11 +106,11 @@ def _pipeline_rank(rank: int, init_file: str, out_dir: str, steps: int, microbat
         dist.destroy_process_group()
 
 
-def pipeline(steps: int, microbatches: int, schedule: str, batch_size: int) -> list[dict]:
+def pipeline(steps: int, microbatches: int, schedule: str, batch_size: int, plane: str = "gloo") -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(
             _pipeline_rank,
-            args=(os.path.join(tmp, "rdv"), tmp, steps, microbatches, schedule, batch_size),
+            args=(os.path.join(tmp, "rdv"), tmp, steps, microbatches, schedule, batch_size, plane),
             nprocs=2,
             join=True,
         )
@@ -111,6 +122,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--data-plane", choices=["gloo", "strict_mock"], default="gloo", help="lightning_mp's data plane")
     args = parser.parse_args()
     warmup = max(2, args.steps // 5)
 
@@ -124,7 +136,7 @@ def main() -> None:
     ideal = single[1] / 2 * (m + 1) / m
     rows.append((f"ideal 2-stage pipeline, M={m}", ideal, "", ""))
     for schedule in ("interleaved", "simple"):
-        results = pipeline(args.steps, m, schedule, args.batch_size)
+        results = pipeline(args.steps, m, schedule, args.batch_size, args.data_plane)
         busy = " / ".join(f"{median_ms(r['busy']):.0f}" for r in results)
         rows.append((f"lightning_mp pp=2 {schedule}, M={m}", median_ms(results[0]["times"]), busy, f"{results[0]['calls']:.0f}"))
 

@@ -44,7 +44,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from lightning_mp.comm import Transport  # noqa: E402
+from lightning_mp.comm import Transport, build_pair_groups, make_data_plane  # noqa: E402
 from lightning_mp.pipeline import PipelineEngine, split_microbatches  # noqa: E402
 
 STAGES = 2
@@ -155,6 +155,15 @@ def _ours_step(engine: PipelineEngine, model: BlockStack, parts: list) -> None:
             session.serve()
 
 
+def _transport(plane: str) -> Transport:
+    """The pipeline transport on ``plane``: ``gloo`` (default) or ``strict_mock`` (NCCL's rules on gloo)."""
+    group = dist.new_group([0, 1])
+    if plane == "gloo":
+        return Transport(group, torch.device("cpu"))
+    pairs = build_pair_groups([[0, 1]], "gloo")
+    return Transport(group, torch.device("cpu"), make_data_plane(plane, group, torch.device("cpu"), pairs, 300.0))
+
+
 def _rank(rank: int, init_file: str, out_dir: str, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(minutes=5))
@@ -168,7 +177,7 @@ def _rank(rank: int, init_file: str, out_dir: str, args: argparse.Namespace) -> 
         for fqn, _ in ours.blocks.named_modules():
             if fqn:
                 stage_of[f"blocks.{fqn}"] = 0 if int(fqn.split(".")[0]) < half else 1
-        engine = PipelineEngine(Transport(dist.new_group([0, 1]), torch.device("cpu")), STAGES, timeout_s=300)
+        engine = PipelineEngine(_transport(args.data_plane), STAGES, timeout_s=300)
         engine.install(ours, stage_of)
         meter = ActivationMeter()
         meter.attach(list(ours.blocks) + list(halves[rank]) + (list(reference.blocks) if rank == 0 else []))
@@ -227,6 +236,7 @@ def _rank(rank: int, init_file: str, out_dir: str, args: argparse.Namespace) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--data-plane", choices=["gloo", "strict_mock"], default="gloo", help="lightning_mp's data plane")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per method per round")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--dim", type=int, default=384)

@@ -17,6 +17,7 @@ __all__ = ["SMPConfig"]
 PipelineSchedule = Literal["interleaved", "simple"]
 Optimize = Literal["speed", "memory"]
 TiedWeights = Literal["colocate", "replicate", "auto"]
+DataPlane = Literal["auto", "gloo", "nccl"]
 
 _DEFAULT_MEMORY_WEIGHT = {"speed": 0.2, "memory": 0.8}
 
@@ -120,6 +121,11 @@ class SMPConfig:
     peak otherwise; see [Note: freed tensors stay resident under glibc]). Costs page faults: each step maps its
     large tensors afresh (steps 1.0-2.0x as long on the example GPT at pp=2 on CPU, in alternating rounds on a
     loaded machine). A no-op without glibc."""
+    data_plane: DataPlane = "auto"
+    """How tensor bytes travel between pipeline stages; headers always go over a CPU gloo group ([Note: two planes]
+    in ``comm/_planes.py``). ``"gloo"``: over that group, CUDA tensors staged through pinned host memory.
+    ``"nccl"``: one NCCL group per ordered pair of stages (CUDA only; NCCL before 2.30 refuses two ranks on one GPU).
+    ``"auto"``: ``"nccl"`` on CUDA when no two stages of a pipeline share a GPU (or NCCL >= 2.30), else ``"gloo"``."""
 
     placement_strategy: str = "cluster"
     """Which parallel axis gets neighbouring global ranks (SMP's knob): ``"cluster"`` (= ``"DPT"``: the ranks of a
@@ -154,6 +160,8 @@ class SMPConfig:
         for name in ("delayed_parameter_initialization", "shard_optimizer_state", "release_host_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
+        if self.data_plane not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"`data_plane` must be 'auto', 'gloo' or 'nccl', got {self.data_plane!r}.")
         order = {"cluster": "DPT", "spread": "TPD"}.get(self.placement_strategy, self.placement_strategy)
         if not isinstance(order, str) or sorted(order) != ["D", "P", "T"]:
             raise ValueError(

@@ -36,3 +36,19 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, start_m
         worker_args = (world_size, init_file, tmp, fn, args)
         mp.start_processes(_worker, args=worker_args, nprocs=world_size, join=True, start_method=start_method)
         return [torch.load(os.path.join(tmp, f"{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+PLANES = ("gloo", "strict_mock")
+"""Data planes the CPU engine tests run over: gloo, and the strict mock of NCCL's rules (see comm/_planes.py)."""
+
+
+def make_transport(ranks: list[int], plane: str = "gloo", timeout_s: float = 60.0):
+    """A CPU transport over ``ranks`` (every rank of the world calls this, in the same order) on ``plane``."""
+    from lightning_mp.comm import Transport, build_pair_groups, make_data_plane
+
+    group = dist.new_group(ranks)
+    if plane == "gloo":
+        return Transport(group, torch.device("cpu"))
+    pairs = build_pair_groups([ranks], "gloo")
+    data_plane = make_data_plane(plane, group, torch.device("cpu"), pairs, timeout_s) if group is not None else None
+    return Transport(group, torch.device("cpu"), data_plane)

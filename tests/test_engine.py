@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from lightning_mp.comm import Transport
 from lightning_mp.pipeline import PipelineEngine, split_microbatches
-from tests._dist import run_distributed
+from tests._dist import make_transport, run_distributed
 from tests.models import Branchy, MLPStack, TinyLM, expand_placement
 
 MODELS = {"mlp": MLPStack, "branchy": Branchy, "tiedlm": TinyLM}
@@ -54,11 +54,13 @@ def _reference(model_name: str) -> dict:
     return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def _pipelined(rank: int, world_size: int, model_name: str, placement: str, microbatches: int, schedule: str) -> dict:
+def _pipelined(
+    rank: int, world_size: int, model_name: str, placement: str, microbatches: int, schedule: str, plane: str = "gloo"
+) -> dict:
     torch.manual_seed(0)
     cls = MODELS[model_name]
     model = cls()
-    transport = Transport(dist.new_group(list(range(world_size))), torch.device("cpu"))
+    transport = make_transport(list(range(world_size)), plane)
     engine = PipelineEngine(transport, world_size, schedule=schedule, active_microbatches=3, timeout_s=60)
     engine.install(model, expand_placement(model, PLACEMENTS[placement]))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -96,18 +98,22 @@ def _assert_matches_reference(results: list[dict], reference: dict) -> None:
 
 
 @pytest.mark.parametrize(
-    ("model_name", "placement", "microbatches", "schedule"),
+    ("model_name", "placement", "microbatches", "schedule", "plane"),
     [
-        ("mlp", "mlp", 1, "interleaved"),
-        ("mlp", "mlp", 4, "interleaved"),
-        ("mlp", "mlp", 4, "simple"),
-        ("branchy", "branchy", 4, "interleaved"),
-        ("branchy", "nested", 2, "interleaved"),
-        ("tiedlm", "tiedlm", 4, "interleaved"),
+        ("mlp", "mlp", 1, "interleaved", "gloo"),
+        ("mlp", "mlp", 4, "interleaved", "gloo"),
+        ("mlp", "mlp", 4, "simple", "gloo"),
+        ("branchy", "branchy", 4, "interleaved", "gloo"),
+        ("branchy", "nested", 2, "interleaved", "gloo"),
+        ("tiedlm", "tiedlm", 4, "interleaved", "gloo"),
+        # The same protocol under NCCL's rules (comm/_planes.py: StrictMockBackend).
+        ("mlp", "mlp", 4, "simple", "strict_mock"),
+        ("branchy", "nested", 2, "interleaved", "strict_mock"),
+        ("tiedlm", "tiedlm", 4, "interleaved", "strict_mock"),
     ],
 )
-def test_two_stage_pipeline_matches_one_process(model_name, placement, microbatches, schedule):
-    results = run_distributed(_pipelined, 2, model_name, placement, microbatches, schedule)
+def test_two_stage_pipeline_matches_one_process(model_name, placement, microbatches, schedule, plane):
+    results = run_distributed(_pipelined, 2, model_name, placement, microbatches, schedule, plane)
     _assert_matches_reference(results, _reference(model_name))
     assert all(len(r["params"]) > 0 for r in results), "both stages own parameters"
 
@@ -208,8 +214,9 @@ MODELS["three"] = _ThreeStage
 PLACEMENTS["three"] = {"outer": 1, "outer.inner": 2, "outer.inner.leaf": 0}
 
 
-def test_three_stages_nested_calls_shared_stateless_module_inplace_and_hooks():
-    results = run_distributed(_pipelined, 3, "three", "three", 4, "interleaved")
+@pytest.mark.parametrize("plane", ["gloo", "strict_mock"])
+def test_three_stages_nested_calls_shared_stateless_module_inplace_and_hooks(plane):
+    results = run_distributed(_pipelined, 3, "three", "three", 4, "interleaved", plane)
     _assert_matches_reference(results, _reference("three"))
     assert [len(r["params"]) for r in results] == [6, 2, 2], "first+head+leaf / outer.proj / inner.proj"
 

@@ -81,6 +81,7 @@ def test_indivisible_batch_is_a_clear_error():
         ({"pipeline_parallel_degree": 2, "partition": {"h.0": 2}}, r"Stage 2 for 'h.0' is out of range: stages are 0..1"),
         ({"memory_weight": 1.5}, r"`memory_weight` must be in \[0, 1\], got 1.5"),
         ({"timeout": timedelta(0)}, "`timeout` must be positive"),
+        ({"data_plane": "mpi"}, "`data_plane` must be 'auto', 'gloo' or 'nccl', got 'mpi'"),
     ],
 )
 def test_config_errors_name_the_value_and_fix(kwargs, match):

@@ -1,6 +1,30 @@
 """D2D communication: nested structures of tensors between ranks, and autograd across ranks."""
 
 from lightning_mp.comm._autograd import connect_remote_outputs
+from lightning_mp.comm._planes import (
+    DataPlaneError,
+    DataPlaneKind,
+    GlooDataPlane,
+    PairDataPlane,
+    PairGroups,
+    StrictMockError,
+    build_pair_groups,
+    make_data_plane,
+)
 from lightning_mp.comm._transport import Message, Packed, Transport, pack
 
-__all__ = ["Message", "Packed", "Transport", "connect_remote_outputs", "pack"]
+__all__ = [
+    "DataPlaneError",
+    "DataPlaneKind",
+    "GlooDataPlane",
+    "Message",
+    "Packed",
+    "PairDataPlane",
+    "PairGroups",
+    "StrictMockError",
+    "Transport",
+    "build_pair_groups",
+    "connect_remote_outputs",
+    "make_data_plane",
+    "pack",
+]

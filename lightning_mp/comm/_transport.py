@@ -4,9 +4,12 @@ A message is any picklable object; every ``torch.Tensor`` inside it (at any dept
 dataclasses, NamedTuples, custom objects) travels as raw bytes over ``torch.distributed`` send/recv, the
 rest as a pickle. On the wire one message is one to three frames on one (src, dst) pair::
 
-    header   uint8[4096]            int64 pickle_nbytes, int64 data_nbytes, then the pickle if it fits
+    header   uint8[4096]            int64 pickle_nbytes, data_nbytes, seq (per ordered pair), then the pickle if it fits
     pickle   uint8[pickle_nbytes]   only if the pickle does not fit in the header
     data     uint8[data_nbytes]     every tensor's bytes, 16-byte aligned, in placeholder order (omitted if 0)
+
+Header and pickle form the *control plane* (a CPU gloo group); the data frame goes over a *data plane* (gloo,
+staged through pinned host memory for CUDA tensors, or NCCL): [Note: two planes] in ``_planes.py``.
 
 The pickle holds the skeleton with tensor placeholders and per-tensor (shape, dtype, requires_grad). Most
 messages (requests, replies, gradients) have a small pickle, so they take one frame plus one for the data.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import pickle
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -30,11 +34,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Message", "Packed", "Transport", "pack"]
+__all__ = ["Message", "Packed", "Transport", "gather", "pack"]
 
 _ALIGN = 16
 _HEADER_NBYTES = 4096
-_LENGTHS_NBYTES = 16
+_LENGTHS_NBYTES = 24  # int64 pickle_nbytes, data_nbytes, seq
 
 
 @dataclass(frozen=True)
@@ -141,86 +145,125 @@ def _unpack(payload: bytes, data: torch.Tensor | None, device: torch.device) -> 
             tensor = torch.empty(meta.shape, dtype=meta.dtype, device=device)
         else:
             assert data is not None
+            view = data[meta.offset : meta.offset + meta.nbytes].view(meta.dtype).view(meta.shape)
             # A copy with its own storage: a view into the wire buffer could not be modified in place by autograd.
-            tensor = data[meta.offset : meta.offset + meta.nbytes].view(meta.dtype).view(meta.shape).clone()
+            # From a pinned staging buffer the copy to the GPU is asynchronous on the current stream (the caching
+            # host allocator keeps the buffer until the copy is done).
+            tensor = view.clone() if data.device == device else view.to(device, non_blocking=True)
         tensors.append(tensor)
     obj = _Unpickler(io.BytesIO(skeleton), tensors).load()
     return Message(obj, tensors, [meta.requires_grad for meta in metas])
 
 
+def gather(packed: Packed, buffer: torch.Tensor) -> bool:
+    """Copy every tensor's bytes of ``packed`` into ``buffer`` (uint8, ``packed.data_nbytes``), 16-byte aligned.
+
+    Copies are issued on the current stream, asynchronously where the devices allow (GPU to pinned host memory,
+    GPU to GPU). Returns whether any copy read a CUDA tensor (the caller then orders or awaits the stream).
+    """
+    offset, from_cuda = 0, False
+    for tensor in packed.tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes:
+            flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            from_cuda = from_cuda or flat.is_cuda
+            buffer[offset : offset + nbytes].copy_(flat, non_blocking=True)
+        offset += _padded(nbytes)
+    return from_cuda
+
+
 class Transport:
-    """Framed messages between the ranks of one process group.
+    """Framed messages between the ranks of one process group, on two planes ([Note: two planes] in ``_planes.py``).
+
+    The control plane (headers and pickles) always goes over ``group``, which must be a gloo group; the tensor
+    bytes go over ``data_plane`` (default: :class:`~lightning_mp.comm.GlooDataPlane` on the same group).
 
     Args:
-        group: the process group; ``src``/``dst`` below are ranks *within* it.
-        device: where wire buffers live (``cpu`` for gloo, the rank's CUDA device for NCCL).
+        group: a gloo process group; ``src``/``dst`` below are ranks *within* it.
+        device: where received tensors live (``cpu``, or the rank's CUDA device).
+        data_plane: how tensor bytes travel; see :func:`~lightning_mp.comm.make_data_plane`.
+
+    Raises:
+        ValueError: if ``group`` is not a gloo group.
 
     Thread safety: ``send`` may be called from many threads; ``recv`` from one peer must be called from one
     thread at a time (the engine runs one receiver thread per peer).
     """
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, data_plane: Any = None) -> None:
+        backend = dist.get_backend(group)
+        if backend != "gloo":
+            raise ValueError(
+                f"The control plane of a Transport needs a gloo group (headers are CPU tensors), got a {backend!r}"
+                " group. Create it with `dist.new_group(ranks, backend='gloo')`; tensor bytes may still go over NCCL"
+                " through `data_plane`."
+            )
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         self.group = group
         self.device = device
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
+        if data_plane is None:
+            from lightning_mp.comm._planes import GlooDataPlane
+
+            data_plane = GlooDataPlane(group, device)
+        self.data_plane = data_plane
         self._send_locks = [threading.Lock() for _ in range(self.size)]
+        self._send_seq = [0] * self.size  # per destination, under its lock
+        self._recv_seq = [0] * self.size  # per source, in its receiving thread
 
     def send(self, message: Any, dst: int) -> None:
         """Send ``message`` (an object or a :class:`Packed`) to group rank ``dst``.
 
-        Blocks until the backend has taken the frames (for gloo: written to the peer's connection).
+        Blocks until the control frames are written to the peer's connection; the data plane may still be moving
+        the tensor bytes when it returns (their buffer is kept until it is done).
         """
         packed = message if isinstance(message, Packed) else pack(message)
         payload_nbytes = len(packed.payload)
-        header = bytearray(_HEADER_NBYTES)
-        header[:_LENGTHS_NBYTES] = torch.tensor([payload_nbytes, packed.data_nbytes], dtype=torch.int64).numpy().tobytes()
         inline = payload_nbytes <= _HEADER_NBYTES - _LENGTHS_NBYTES
+        header = bytearray(_HEADER_NBYTES)
         if inline:
             header[_LENGTHS_NBYTES : _LENGTHS_NBYTES + payload_nbytes] = packed.payload
-        frames = [torch.frombuffer(header, dtype=torch.uint8)]
-        if not inline:
-            frames.append(torch.frombuffer(bytearray(packed.payload), dtype=torch.uint8))
-        data = self._gather(packed)
-        if data is not None:
-            frames.append(data)
+        wire = self.data_plane.gather(packed) if packed.data_nbytes else None  # before the header: see _planes.py
         with self._send_locks[dst]:
-            for frame in frames:
-                dist.send(frame.to(self.device), group=self.group, group_dst=dst)
+            seq = self._send_seq[dst]
+            self._send_seq[dst] = seq + 1
+            struct.pack_into("<qqq", header, 0, payload_nbytes, packed.data_nbytes, seq)
+            dist.send(torch.frombuffer(header, dtype=torch.uint8), group=self.group, group_dst=dst)
+            if not inline:
+                dist.send(torch.frombuffer(bytearray(packed.payload), dtype=torch.uint8), group=self.group, group_dst=dst)
+            if wire is not None:
+                self.data_plane.send(wire, dst, seq)
 
     def recv(self, src: int) -> Message:
         """Receive the next message from group rank ``src``.
 
         Raises:
-            RuntimeError: what the backend raises when the peer is gone or nothing arrives within its timeout.
+            RuntimeError: what the backend raises when the peer is gone or nothing arrives within its timeout, or
+                a message out of sequence (a protocol error).
         """
-        header = torch.empty(_HEADER_NBYTES, dtype=torch.uint8, device=self.device)
+        header = torch.empty(_HEADER_NBYTES, dtype=torch.uint8)
         dist.recv(header, group=self.group, group_src=src)
         arrived_s = time.perf_counter()
-        header = header.cpu()
-        payload_nbytes, data_nbytes = (int(v) for v in header[:_LENGTHS_NBYTES].view(torch.int64).tolist())
+        raw = header.numpy()
+        payload_nbytes, data_nbytes, seq = struct.unpack_from("<qqq", raw, 0)
+        if seq != self._recv_seq[src]:
+            raise RuntimeError(f"internal: message {seq} from rank {src} arrived when {self._recv_seq[src]} was due")
+        self._recv_seq[src] = seq + 1
         if payload_nbytes <= _HEADER_NBYTES - _LENGTHS_NBYTES:
-            payload = header[_LENGTHS_NBYTES : _LENGTHS_NBYTES + payload_nbytes].numpy().tobytes()
+            payload = raw[_LENGTHS_NBYTES : _LENGTHS_NBYTES + payload_nbytes].tobytes()
         else:
-            pickled = torch.empty(payload_nbytes, dtype=torch.uint8, device=self.device)
+            pickled = torch.empty(payload_nbytes, dtype=torch.uint8)
             dist.recv(pickled, group=self.group, group_src=src)
-            payload = pickled.cpu().numpy().tobytes()
+            payload = pickled.numpy().tobytes()
         data = None
         if data_nbytes:
-            data = torch.empty(data_nbytes, dtype=torch.uint8, device=self.device)
-            dist.recv(data, group=self.group, group_src=src)
+            # [Note: two planes] the data receive is posted only now, with the byte count from the header.
+            self.data_plane.header_read(src, seq, data_nbytes)
+            data = self.data_plane.recv(data_nbytes, src, seq)
         return dataclasses.replace(_unpack(payload, data, self.device), arrived_s=arrived_s)
 
-    def _gather(self, packed: Packed) -> torch.Tensor | None:
-        """Copy every tensor's bytes into one aligned wire buffer."""
-        if packed.data_nbytes == 0:
-            return None
-        data = torch.empty(packed.data_nbytes, dtype=torch.uint8, device=self.device)
-        offset = 0
-        for tensor in packed.tensors:
-            nbytes = tensor.numel() * tensor.element_size()
-            if nbytes:
-                flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-                data[offset : offset + nbytes].copy_(flat)
-            offset += _padded(nbytes)
-        return data
+    def close(self) -> None:
+        """Stop the data plane's threads (after its sends in flight are done)."""
+        self.data_plane.close()

@@ -529,6 +529,23 @@ class PipelineSession:
         # for 128x1536 @ 1536x384). Every compute thread of the engine therefore repeats the caller's setting.
         self._intra_op_threads = torch.get_num_threads()
         self._serving = 0  # served requests in progress on this rank
+        self._device = engine.transport.device
+
+    def _enter_thread(self) -> None:
+        """Set up an engine thread: intra-op threads, CUDA device, backward on this thread.
+
+        [Note: backward on the calling thread] On CUDA, autograd runs backward of every node on one device thread
+        shared by all backwards on that GPU. ``_RemoteBackward`` blocks there for its reply, which would stall every
+        other microbatch's backward and deadlock a nested call (stage A -> B -> A: A's server needs that thread
+        while A's driver holds it). The per-call hooks (``_CallHooks``: random streams, ordered state) also read the
+        engine's thread-local task, which autograd's thread has not. ``set_multithreading_enabled(False)``
+        (thread-local) runs backward on the thread that calls it, as on CPU: every engine thread sets it, and every
+        ``backward`` call of the engine is wrapped in it (the one-stage path runs on the caller's thread).
+        """
+        torch.set_num_threads(self._intra_op_threads)  # see [Note: intra-op threads of engine threads]
+        if self._device.type == "cuda":  # every thread that issues CUDA work names its device
+            torch.cuda.set_device(self._device)
+        torch.autograd.set_multithreading_enabled(False)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -554,7 +571,7 @@ class PipelineSession:
 
     def _order_loop(self) -> None:
         """Follower: feed the leader's grants to the compute token until the leader closes the step."""
-        torch.set_num_threads(self._intra_op_threads)
+        self._enter_thread()
         while True:
             try:
                 kind, step, key = self._order.recv(0).obj
@@ -707,7 +724,8 @@ class PipelineSession:
                     with _as_task(back):
                         try:
                             self.engine.state_updates.finalize(index)
-                            loss.backward()
+                            with torch.autograd.set_multithreading_enabled(False):  # [Note: backward on the calling thread]
+                                loss.backward()
                         finally:
                             self.token.release()
                 finally:
@@ -725,7 +743,7 @@ class PipelineSession:
         slots = threading.Semaphore(cap)
 
         def guarded(index: int, barrier: _WaveBarrier | None) -> None:
-            torch.set_num_threads(self._intra_op_threads)  # see [Note: intra-op threads of engine threads]
+            self._enter_thread()
             try:
                 run(index, barrier)
             except BaseException as err:
@@ -788,7 +806,7 @@ class PipelineSession:
             )
 
     def _receive_loop(self, peer: int) -> None:
-        torch.set_num_threads(self._intra_op_threads)  # copies out of the wire buffer run torch ops here too
+        self._enter_thread()  # copies out of the wire buffer run torch ops here too
         while True:
             try:
                 message = self.transport.recv(peer)
@@ -827,7 +845,7 @@ class PipelineSession:
                 return
 
     def _serve_request(self, peer: int, message: Message) -> None:
-        torch.set_num_threads(self._intra_op_threads)  # see [Note: intra-op threads of engine threads]
+        self._enter_thread()
         envelope: _Envelope = message.obj
         phase = _FORWARD if envelope.kind == "fwd" else _BACKWARD
         fqn = envelope.body[0]
@@ -882,7 +900,8 @@ class PipelineSession:
             saved = self._saved.pop(envelope.call_id)
         pairs = [(out, grad) for out, grad in zip(saved.outputs, grad_outputs) if grad is not None]
         if pairs:
-            torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+            with torch.autograd.set_multithreading_enabled(False):  # [Note: backward on the calling thread]
+                torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
         return self.envelope("reply", envelope.call_id, [leaf.grad for leaf in saved.leaves], envelope.microbatch)
 
     # ---- caller side -----------------------------------------------------------------------------------------

@@ -35,7 +35,6 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mp.comm import Transport
 from lightning_mp.config import SMPConfig
 from lightning_mp.callbacks import PartitionSummary
 from lightning_mp.partition import ModelTrace, PartitionPlan, manual_placements
@@ -50,6 +49,7 @@ from lightning_mp.strategy._metrics import load_metric_log, sync_metrics_over
 from lightning_mp.strategy._tied import TiedWeights, build_tied_weights, original_names, replicated_stages
 from lightning_mp.strategy._precision import install_synced_scaler, loss_scale_of
 from lightning_mp.strategy._reducer import GradientReducer
+from lightning_mp.strategy._transport import build_order_transport, build_pipeline_transport, check_data_plane
 from lightning_mp.strategy._summary import (
     gather_parameter_counts,
     silence_single_replica_sync_advice,
@@ -131,6 +131,9 @@ class SMPStrategy(ParallelStrategy):
         release_host_memory: on glibc Linux, freed CPU tensors leave each rank's resident memory at once (a fixed
             malloc mmap threshold; slower steps, see :attr:`lightning_mp.SMPConfig.release_host_memory`); for
             training under a per-rank memory budget.
+        data_plane: how tensor bytes travel between stages: ``"auto"``, ``"gloo"`` (CUDA tensors staged through
+            pinned host memory) or ``"nccl"`` (one NCCL group per ordered pair of stages); headers always go over a
+            CPU gloo group. See ``SMPConfig.data_plane``.
         placement_strategy: which axis gets neighbouring ranks: ``"cluster"`` (tp, default), ``"spread"``
             (replicas) or a permutation of ``D``, ``P``, ``T`` (outermost first).
 
@@ -168,6 +171,7 @@ class SMPStrategy(ParallelStrategy):
         shard_optimizer_state: bool = False,
         release_host_memory: bool = False,
         placement_strategy: str = "cluster",
+        data_plane: Literal["auto", "gloo", "nccl"] = "auto",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -203,6 +207,7 @@ class SMPStrategy(ParallelStrategy):
             shard_optimizer_state=shard_optimizer_state,
             release_host_memory=release_host_memory,
             placement_strategy=placement_strategy,
+            data_plane=data_plane,
         )
         self._start_method = start_method
         self._save_distributed_checkpoint = save_distributed_checkpoint
@@ -335,6 +340,7 @@ class SMPStrategy(ParallelStrategy):
             self.config.tensor_parallel_degree,
             self.config.placement_strategy,
         )
+        check_data_plane(self.config, self.root_device)  # before the first collective
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, timeout=self.config.timeout)
         if self._engine is None:  # a later fit/validate/test in the same processes keeps groups, plan and placement
@@ -374,49 +380,19 @@ class SMPStrategy(ParallelStrategy):
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     def _build_engine(self) -> PipelineEngine:
-        """One dedicated point-to-point group per pipeline (every rank creates every group, in one order)."""
+        """The pipeline engine over this rank's pipeline transport (see ``_transport.py``)."""
         topology = self.topology
-        own_group = None
-        for dp_rank in range(topology.data_parallel_degree):
-            for tp_rank in range(topology.tensor_parallel_degree):
-                ranks = [
-                    topology.global_rank(dp_rank=dp_rank, pp_rank=s, tp_rank=tp_rank)
-                    for s in range(topology.pipeline_parallel_degree)
-                ]
-                group = dist.new_group(ranks, timeout=self.config.timeout)
-                if topology.rank in ranks:
-                    own_group = group
-        assert own_group is not None
         return PipelineEngine(
-            Transport(own_group, self.root_device),
+            build_pipeline_transport(topology, self.root_device, self.config),
             topology.pipeline_parallel_degree,
             schedule=self.config.pipeline,
             active_microbatches=self.config.effective_active_microbatches,
             timeout_s=self.config.timeout.total_seconds(),
             forward_context=self.precision_plugin.forward_context,
             global_ranks=topology.pp_group_ranks(),
-            order_transport=self._build_order_transport(),
+            order_transport=build_order_transport(topology, self.root_device, self.config),
             seed=int(os.environ.get("PL_GLOBAL_SEED", torch.initial_seed())),
         )
-
-    def _build_order_transport(self) -> Transport | None:
-        """With ``deterministic_order``: one group per stage over every replica and TP rank (lowest rank leads)."""
-        topology = self.topology
-        replicas_per_stage = topology.data_parallel_degree * topology.tensor_parallel_degree
-        if not self.config.effective_deterministic_order or replicas_per_stage == 1:
-            return None
-        own = None
-        for stage in range(topology.pipeline_parallel_degree):
-            ranks = [
-                topology.global_rank(dp_rank=d, pp_rank=stage, tp_rank=t)
-                for d in range(topology.data_parallel_degree)
-                for t in range(topology.tensor_parallel_degree)
-            ]
-            group = dist.new_group(sorted(ranks), timeout=self.config.timeout)
-            if topology.rank in ranks:
-                own = group
-        assert own is not None
-        return Transport(own, self.root_device)
 
     # ---- setup -----------------------------------------------------------------------------------------------
 
@@ -455,12 +431,6 @@ class SMPStrategy(ParallelStrategy):
     def _check_supported(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
         pp = self.config.pipeline_parallel_degree
-        if pp > 1 and self.root_device.type != "cpu":
-            raise ValueError(
-                f"pipeline_parallel_degree={pp} on {self.root_device.type} is not supported yet: the pipeline engine"
-                " has only been built and tested on CPU with gloo. Use accelerator='cpu', or pipeline_parallel_degree=1"
-                " (data parallel) on GPUs."
-            )
         if pp > 1 and self.config.microbatches < pp:
             rank_zero_warn(
                 f"microbatches={self.config.microbatches} is fewer than pipeline_parallel_degree={pp}: stages mostly"
