@@ -176,10 +176,9 @@ def _expect_failure(rank: int, world_size: int, *args) -> str:
 
 
 def test_diverging_replicas_raise_instead_of_hanging() -> None:
-    """Replica 1 makes one call more than replica 0: the ranks cannot share an order, and say so."""
-    start = time.monotonic()
+    """Replica 1 makes one call more than replica 0: the ranks cannot share an order, and say so (every rank
+    returns an error instead of waiting; no wall-clock bound here, the shared CI cores make one meaningless)."""
     messages = run_distributed(_expect_failure, 4, "interleaved", True, 1, True)
-    assert time.monotonic() - start < 60
     assert any("order leader" in m for m in messages), messages
     assert all(messages[r] for r in (2, 3)), messages
 
