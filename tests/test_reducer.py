@@ -167,3 +167,103 @@ def test_pp2_dp2_buckets_go_out_during_backward_and_training_matches_one_process
     for result in results:
         for name, value in result["params"].items():
             torch.testing.assert_close(value, reference["params"][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ---- regressions found in review: collectives between the buckets, parameters unfrozen after setup ----------
+
+class _Stage1(nn.Module):
+    """``b`` runs only where ``use_b`` (one replica): that replica's stage sends more buckets from its hooks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c, self.b, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+        self.use_b = True
+
+    def forward(self, h):
+        h = torch.relu(self.c(h))
+        if self.use_b:
+            h = h + self.b(h)
+        return self.head(h)
+
+
+class _BranchyLogged(L.LightningModule):
+    def __init__(self, unfreeze_at: int | None = None) -> None:
+        super().__init__()
+        self.l0, self.s1 = nn.Linear(8, 8), _Stage1()
+        self.unfreeze_at = unfreeze_at
+        if unfreeze_at is not None:  # as Lightning's BaseFinetuning.freeze_before_training
+            self.l0.requires_grad_(False)
+
+    def on_fit_start(self) -> None:
+        self.s1.use_b = self.trainer.strategy.topology.dp_rank == 0
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        if batch_idx == self.unfreeze_at:
+            self.l0.requires_grad_(True)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = ((self.s1(torch.relu(self.l0(x))) - y) ** 2).mean()
+        self.log("train_loss", loss, sync_dist=True, on_step=True)  # a collective on the dp group mid-step
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g))
+        return torch.utils.data.DataLoader(data, batch_size=8)
+
+
+class _SaveParams(L.Callback):
+    def __init__(self, out) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        reducer = trainer.strategy._reducer
+        torch.save(
+            {"enabled": reducer.enabled, "params": {n: p.detach().clone() for n, p in pl_module.named_parameters()}},
+            self.out / f"{trainer.global_rank}.pt",
+        )
+
+
+def _replicas_after_fit(tmp_path, pp: int, unfreeze_at: int | None) -> list[dict]:
+    from datetime import timedelta
+
+    torch.set_num_threads(1)  # before forking
+    strategy = lightning_mp.SMPStrategy(
+        pipeline_parallel_degree=pp, microbatches=2, start_method="fork", timeout=timedelta(seconds=60),
+        partition={"l0": 0, "s1": pp - 1},
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2 * pp, strategy=strategy, max_steps=3, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[_SaveParams(tmp_path)],
+    )
+    trainer.fit(_BranchyLogged(unfreeze_at))
+    return [torch.load(tmp_path / f"{r}.pt") for r in range(2 * pp)]
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_parameter_unused_on_one_replica_with_sync_dist_logs_neither_hangs_nor_diverges(tmp_path, monkeypatch, pp):
+    """One replica sends more buckets from its hooks than the other while `self.log(sync_dist=True)` reduces on the
+    dp group mid-step: on a shared group the collectives paired up wrongly (pp=1 crashed, pp=2 hung until the
+    timeout). The reducer's own group keeps them apart; replicas stay bitwise equal."""
+    monkeypatch.setattr(_reducer, "FIRST_BUCKET_BYTES", 64)  # several buckets (fork: the children see it)
+    monkeypatch.setattr(_reducer, "BUCKET_BYTES", 128)
+    ranks = _replicas_after_fit(tmp_path, pp, None)
+    replicas = [(r, r + pp) for r in range(pp)]  # global rank = dp_rank * pp + pp_rank
+    for a, b in replicas:
+        assert ranks[a]["enabled"] and ranks[b]["enabled"]
+        for name, value in ranks[a]["params"].items():
+            if value.numel():
+                assert torch.equal(value, ranks[b]["params"][name]), name
+
+
+def test_a_parameter_unfrozen_after_setup_is_still_averaged(tmp_path):
+    """A layer frozen at setup has no bucket; unfrozen at batch 1 (as BaseFinetuning does) it must still be
+    all-reduced: the reducer falls back on every replica and the replicas stay equal."""
+    ranks = _replicas_after_fit(tmp_path, 1, unfreeze_at=1)
+    assert not ranks[0]["enabled"] and not ranks[1]["enabled"]
+    for name, value in ranks[0]["params"].items():
+        assert torch.equal(value, ranks[1]["params"][name]), name

@@ -84,6 +84,7 @@ class GradientReducer:
         self._group, self._size = group, size
         self._is_complete, self._previous = is_complete, previous
         self._lock = threading.Lock()
+        self._params = list(params)
         self._buckets = _make_buckets(
             [p for p in params if p.requires_grad],
             FIRST_BUCKET_BYTES if first_bucket_bytes is None else first_bucket_bytes,
@@ -113,6 +114,10 @@ class GradientReducer:
         """Before a step whose gradients are final when its backward ends (the last batch of an accumulation
         window): launch buckets from the gradient hooks. Returns whether it armed (not after a fallback)."""
         self.reset()
+        if self._enabled and any(p.requires_grad and p not in self._bucket_of for p in self._params):
+            # A parameter unfrozen after setup (e.g. Lightning's BaseFinetuning) has no bucket: every replica
+            # unfreezes alike, so every one falls back to the all-reduce after backward, which covers it.
+            self._enabled = False
         self._armed = self._enabled
         self._microbatches = microbatches
         return self._armed

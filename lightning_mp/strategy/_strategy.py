@@ -525,7 +525,7 @@ class SMPStrategy(ParallelStrategy):
         assert engine is not None
         self._reducer = GradientReducer(
             list(self.lightning_module.parameters()),
-            self.device_mesh.get_group(MeshAxis.DP.value),
+            _reducer_group(topology, self.config.timeout),
             topology.data_parallel_degree,
             is_complete=engine.gradient_complete,
             previous=self._grads.previous,
@@ -932,3 +932,24 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     from lightning.fabric.utilities.apply_func import move_data_to_device
 
     return move_data_to_device(obj, device)
+
+
+def _reducer_group(topology: Topology, timeout: Any) -> dist.ProcessGroup:
+    """A data-parallel group of the reducer's own (every rank creates every stage's, in one order).
+
+    Its buckets go out from gradient hooks during the step, and a replica may send fewer of them before ``flush``
+    than another (a parameter no microbatch reached there); Lightning's ``sync_dist`` reductions of logged values
+    run on the mesh's groups in between, so on a shared group the two streams of collectives would pair up wrongly
+    (hang or crash). One group per (stage, tp rank), created by every rank in the same order."""
+    mine = None
+    for pp_rank in range(topology.pipeline_parallel_degree):
+        for tp_rank in range(topology.tensor_parallel_degree):
+            ranks = [
+                topology.global_rank(dp_rank=d, pp_rank=pp_rank, tp_rank=tp_rank)
+                for d in range(topology.data_parallel_degree)
+            ]
+            group = dist.new_group(ranks, timeout=timeout)
+            if (pp_rank, tp_rank) == (topology.pp_rank, topology.tp_rank):
+                mine = group
+    assert mine is not None
+    return mine
