@@ -36,7 +36,7 @@ class _Net(nn.Module):
 
 
 def _steps(rank: int, world: int, bucketed: bool, microbatches: int, accumulate: int, twice_on_rank: int | None,
-           token_weighted_on_rank: int | None) -> dict:
+           token_weighted_on_rank: int | None, launch_in_hooks: bool = True) -> dict:
     """Two optimizer windows of ``accumulate`` batches of ``microbatches`` backwards each, as the strategy runs
     them: gradients set aside per batch (GradientStash), the reducer armed on a window's last batch."""
     torch.manual_seed(0)
@@ -48,6 +48,7 @@ def _steps(rank: int, world: int, bucketed: bool, microbatches: int, accumulate:
     reducer = GradientReducer(
         params, group, world, is_complete=lambda p, m: current[0] == m - 1, previous=stash.previous,
         first_bucket_bytes=200, bucket_bytes=1200,  # several buckets, one parameter over the cap alone
+        launch_in_hooks=launch_in_hooks,
     ) if bucketed else None
     generator = torch.Generator().manual_seed(100 + rank)
     results, fell_back, in_backward = [], [], []
@@ -85,9 +86,10 @@ def _steps(rank: int, world: int, bucketed: bool, microbatches: int, accumulate:
             "buckets": reducer.num_buckets if reducer else 0, "in_backward": in_backward}
 
 
-def _compare(world: int, microbatches: int, accumulate: int, twice_on_rank=None, token_weighted_on_rank=None):
+def _compare(world: int, microbatches: int, accumulate: int, twice_on_rank=None, token_weighted_on_rank=None,
+             launch_in_hooks=True):
     args = (microbatches, accumulate, twice_on_rank, token_weighted_on_rank)
-    bucketed = run_distributed(_steps, world, True, *args, start_method="fork")
+    bucketed = run_distributed(_steps, world, True, *args, launch_in_hooks, start_method="fork")
     flat = run_distributed(_steps, world, False, *args, start_method="fork")
     for rank in range(world):
         for window, (got, want) in enumerate(zip(bucketed[rank]["grads"], flat[rank]["grads"])):
@@ -111,6 +113,15 @@ def test_bucketed_all_reduce_equals_the_all_reduce_after_backward(microbatches, 
         assert grads["frozen.weight"] is None
         # rank 1 never reaches `unused_on_rank1`: its bucket is flushed after backward; the average is rank 0's half
         assert grads["unused_on_rank1.weight"] is not None
+
+
+def test_buckets_held_to_flush_give_the_same_gradients():
+    """`launch_in_hooks=False` (CUDA at pp > 1: no NCCL call from engine threads): nothing goes out during
+    backward, and the gradients are those of the all-reduce after backward."""
+    torch.set_num_threads(1)
+    for result in _compare(2, 3, 2, launch_in_hooks=False):
+        assert result["fell_back"] == [] and result["enabled"]
+        assert result["in_backward"] == [0, 0]
 
 
 @pytest.mark.parametrize("surprise", ["second-backward", "token-weighted"])

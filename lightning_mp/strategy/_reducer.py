@@ -69,6 +69,9 @@ class GradientReducer:
             the step (``GradientStash.previous``), or ``None``.
         first_bucket_bytes, bucket_bytes: bucket capacities (``None``: ``FIRST_BUCKET_BYTES``, ``BUCKET_BYTES``, DDP's
             1 MiB and 25 MiB).
+        launch_in_hooks: ``False``: every bucket goes out in ``flush`` on the step's thread (no overlap). For
+            CUDA at pp > 1, where the hooks run on engine threads while the NCCL data plane's communication thread
+            issues on other communicators of the same GPU, which NCCL does not allow from several threads at once.
     """
 
     def __init__(
@@ -80,10 +83,12 @@ class GradientReducer:
         previous: Callable[[nn.Parameter], torch.Tensor | None],
         first_bucket_bytes: int | None = None,
         bucket_bytes: int | None = None,
+        launch_in_hooks: bool = True,
     ) -> None:
         self._group, self._size = group, size
         self._is_complete, self._previous = is_complete, previous
         self._lock = threading.Lock()
+        self._launch_in_hooks = launch_in_hooks
         self._params = list(params)
         self._buckets = _make_buckets(
             [p for p in params if p.requires_grad],
@@ -195,7 +200,7 @@ class GradientReducer:
             bucket.ready.add(id(param))
             bucket.pending -= 1
             last = len(self._buckets) - 1  # launched by `flush`, with the surprise count
-            while self._launched < last and self._buckets[self._launched].pending == 0:
+            while self._launch_in_hooks and self._launched < last and self._buckets[self._launched].pending == 0:
                 self._launch(self._launched)
                 self.launched_during_backward += 1
 

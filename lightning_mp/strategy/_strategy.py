@@ -529,6 +529,7 @@ class SMPStrategy(ParallelStrategy):
             topology.data_parallel_degree,
             is_complete=engine.gradient_complete,
             previous=self._grads.previous,
+            launch_in_hooks=self.root_device.type != "cuda" or topology.pipeline_parallel_degree == 1,
         )
 
     def _check_ties(self, stages: PartitionPlan, module: torch.nn.Module) -> PartitionPlan:
