@@ -245,9 +245,12 @@ def _assert_copies_equal_every_step(results: list[dict], stages_of: dict[str, tu
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
+def _one_thread(monkeypatch):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # before forking: a forked child can hang in OpenMP otherwise
+    # ... and stays at one thread: a one-process fork (the pp=1 resume) would otherwise get ddp's policy of
+    # cpu_count threads, and libgomp's pool inherited from a parent that ran parallel regions hangs the child.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     yield
     torch.set_num_threads(threads)
 
