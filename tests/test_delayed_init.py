@@ -424,3 +424,49 @@ def test_truncated_normal_init_is_a_clear_error():
         with delay_param_initialization():
             nn.init.trunc_normal_(nn.Parameter(torch.empty(4, 4)), std=0.02)
     nn.init.trunc_normal_(torch.empty(2))  # restored after the block
+
+
+class CountingSteps(Wrapped):
+    """``Wrapped`` that counts its ``training_step`` calls per process and writes the count and the plan at the end;
+    ``fail_in_trace`` makes the first call (the partitioning trace) raise."""
+
+    def __init__(self, name: str, out_dir: str, fail_in_trace: bool = False) -> None:
+        super().__init__(name, in_configure_model=True)
+        self.out_dir, self.fail_in_trace, self.calls = out_dir, fail_in_trace, 0
+
+    def training_step(self, batch, batch_idx):
+        self.calls += 1
+        if self.fail_in_trace and self.calls == 1:
+            raise ValueError("the step failed while being traced")
+        return super().training_step(batch, batch_idx)
+
+    def on_train_end(self) -> None:
+        plan = self.trainer.strategy.partition_plan.to_dict()
+        torch.save({"calls": self.calls, "plan": plan}, os.path.join(self.out_dir, f"calls{self.global_rank}.pt"))
+
+
+def test_the_meta_trace_runs_in_a_child_process_and_plans_as_in_process(tmp_path, monkeypatch):
+    """See [Note: the meta trace runs in a child process]: rank 0's module never runs the trace's step itself (its
+    step count is the training steps' microbatches only), and the plan equals the in-process trace's."""
+    results = {}
+    for in_child in (True, False):
+        if not in_child:
+            monkeypatch.setattr(lightning_mp.strategy._strategy, "trace_in_child", lambda is_meta: False)
+        out = tmp_path / str(in_child)
+        out.mkdir()
+        strategy = lightning_mp.SMPStrategy(
+            pipeline_parallel_degree=2, microbatches=2, start_method="fork", delayed_parameter_initialization=True
+        )
+        _trainer(str(out), 2, strategy).fit(CountingSteps("gpt2", str(out)))
+        results[in_child] = torch.load(out / "calls0.pt", weights_only=False)
+    assert results[True]["calls"] == STEPS * 2  # 2 microbatches per step; the trace ran in the child
+    assert results[False]["calls"] == STEPS * 2 + 1  # + the trace, in-process
+    assert results[True]["plan"] == results[False]["plan"]
+
+
+def test_an_error_in_the_child_trace_is_raised_on_every_rank_with_its_message(tmp_path):
+    strategy = lightning_mp.SMPStrategy(
+        pipeline_parallel_degree=2, microbatches=2, start_method="fork", delayed_parameter_initialization=True
+    )
+    with pytest.raises(Exception, match=r"Setup failed on global rank 0 while tracing.*ValueError: the step failed"):
+        _trainer(str(tmp_path), 2, strategy).fit(CountingSteps("gpt2", str(tmp_path), fail_in_trace=True))

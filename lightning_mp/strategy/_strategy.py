@@ -60,8 +60,10 @@ from lightning_mp.strategy._placement import (
     broadcast_plan,
     load_plan,
     make_plan,
+    make_plan_in_child,
     plan_saved_in,
     single_stage_plan,
+    trace_in_child,
 )
 from lightning_mp.strategy._delayed import is_delayed, materialize_stage, meta_trace_inputs
 from lightning_mp.strategy._step import (
@@ -481,8 +483,13 @@ class SMPStrategy(ParallelStrategy):
             if self.global_rank == 0:
                 try:  # the sample goes in as the loop would give it (device, then the precision's dtype; meta if delayed)
                     to_device = meta_trace_inputs(self._sample_to_device) if is_delayed(module) else self._sample_to_device
-                    with self.precision_plugin.forward_context():
-                        result = make_plan(trainer, self.config, to_device)
+
+                    def make() -> tuple[PartitionPlan, ModelTrace]:
+                        with self.precision_plugin.forward_context():
+                            return make_plan(trainer, self.config, to_device)
+
+                    # see [Note: the meta trace runs in a child process] in _placement.py
+                    result = make_plan_in_child(make, self.config.timeout) if trace_in_child(is_delayed(module)) else make()
                 except Exception as err:  # every rank must learn of it, or the others wait in the broadcast
                     result = err
             self._plan = broadcast_plan(result)
