@@ -37,7 +37,7 @@ from torch import nn
 
 from lightning_mp.comm import Message, Transport, connect_remote_outputs, pack
 from lightning_mp.pipeline._grads import OrderedGradients
-from lightning_mp.pipeline._rng import MicrobatchRNG
+from lightning_mp.pipeline._rng import MicrobatchRNG, draws_no_random_numbers
 from lightning_mp.pipeline._scheduler import ComputeToken, GrantOrder, Priority
 from lightning_mp.pipeline._state import OrderedStateUpdates
 from lightning_mp.pipeline._timeline import TimelineRecorder
@@ -296,7 +296,8 @@ class PipelineEngine:
         for fqn, module in modules:
             if first_name[id(module)] != fqn or self._stage_of[fqn] != self.stage:
                 continue
-            keyed = id(module) in stateful or id(module) in in_sequential
+            # a call that never draws needs no stream (see [Note: calls that draw no random numbers] in _rng.py)
+            keyed = (id(module) in stateful or id(module) in in_sequential) and not draws_no_random_numbers(module)
             has_buffers = any(b is not None for b in module._buffers.values())
             defer = self.num_stages > 1 and has_buffers and (ordered is None or fqn in ordered)
             if keyed or defer:
