@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_mp.pipeline._grads import OrderedGradients
-from lightning_mp.pipeline._rng import MicrobatchRNG
+from lightning_mp.pipeline._rng import MicrobatchRNG, draws_no_random_numbers
 from lightning_mp.pipeline._state import OrderedStateUpdates
 
 
@@ -38,6 +38,31 @@ def test_a_keyed_call_draws_its_own_stream_and_the_caller_continues():
     assert torch.equal(torch.rand(3), inside), "the first recompute draws what the first forward call drew"
     rng.exit()
     rng.end_step()
+
+
+def test_only_calls_that_cannot_draw_random_numbers_go_unkeyed():
+    """See [Note: calls that draw no random numbers]: exact deterministic torch.nn classes only."""
+
+    class MyLinear(nn.Linear):  # a subclass may override forward (here it does not, and still counts as unknown)
+        pass
+
+    assert draws_no_random_numbers(nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.LayerNorm(4), nn.BatchNorm1d(4)))
+    assert not draws_no_random_numbers(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1)))
+    assert not draws_no_random_numbers(nn.RReLU())  # draws its slopes in training
+    assert not draws_no_random_numbers(nn.TransformerEncoderLayer(4, 1))  # dropout inside
+    assert not draws_no_random_numbers(MyLinear(4, 4))
+    patched = nn.Linear(4, 4)
+    patched.forward = lambda x: x + torch.randn_like(x)
+    assert not draws_no_random_numbers(nn.Sequential(patched))
+    hooked = nn.Linear(4, 4)
+    hooked.register_forward_hook(lambda m, args, out: out + torch.rand_like(out))
+    assert not draws_no_random_numbers(hooked)
+    handle = nn.modules.module.register_module_forward_hook(lambda m, args, out: None)
+    try:
+        assert not draws_no_random_numbers(nn.Linear(4, 4)), "a global forward hook may draw"
+    finally:
+        handle.remove()
+    assert draws_no_random_numbers(nn.Linear(4, 4))
 
 
 def test_recomputes_in_reverse_order_draw_the_forward_calls_they_repeat():
