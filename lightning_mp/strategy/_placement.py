@@ -14,6 +14,7 @@ import select
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -108,7 +109,9 @@ def make_plan_in_child(
     read_fd, write_fd = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
-    pid = os.fork()
+    with warnings.catch_warnings():  # Python >= 3.12 warns on fork() with threads (gloo's); the child runs none
+        warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
+        pid = os.fork()
     if pid == 0:  # the child: never returns
         status = 0
         try:
