@@ -130,6 +130,11 @@ class RecordRun(L.Callback):
         self.batches: list[torch.Tensor] = []
         self.losses: list[float] = []
         self.step_acc: list[float] = []
+        self.after_backward: list[dict[str, torch.Tensor]] = []
+
+    def on_after_backward(self, trainer, pl_module):  # under ddp: the gradients averaged over replicas
+        if len(self.after_backward) < 3:
+            self.after_backward.append({n: p.grad.clone() for n, p in pl_module.named_parameters() if p.grad is not None})
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.batches.append(batch[0].detach().clone())
@@ -138,7 +143,7 @@ class RecordRun(L.Callback):
 
     def on_train_end(self, trainer, pl_module):
         record = {
-            "batches": self.batches, "losses": self.losses, "step_acc": self.step_acc,
+            "batches": self.batches, "losses": self.losses, "step_acc": self.step_acc, "after_backward": self.after_backward,
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
             "params": {n: p.detach().clone() for n, p in pl_module.named_parameters()},
         }
@@ -177,6 +182,11 @@ def _assert_runs_match(got: dict, expected: dict, what: str) -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"{what}: batch of step {step}")
     for key in ("losses", "step_acc"):
         torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-6, msg=f"{what}: {key}")
+    assert len(got["after_backward"]) == len(expected["after_backward"]) == 3, what
+    for step, (a, b) in enumerate(zip(got["after_backward"], expected["after_backward"])):
+        assert a and set(a) <= set(b), f"{what}: gradients in on_after_backward of step {step}"  # a stage's own
+        for name, grad in a.items():
+            torch.testing.assert_close(grad, b[name], rtol=1e-5, atol=1e-6, msg=f"{what}: {name} in on_after_backward")
     assert sorted(got["metrics"]) == sorted(expected["metrics"]), what
     for key, value in expected["metrics"].items():  # val_acc, val_mse, val_mae, train_acc_epoch, train_loss_epoch, ...
         torch.testing.assert_close(got["metrics"][key], value, rtol=1e-5, atol=1e-6, msg=f"{what}: {key}")

@@ -225,6 +225,7 @@ class SMPStrategy(ParallelStrategy):
         self._engine: PipelineEngine | None = None
         self._plan: PartitionPlan | None = None
         self._trace: ModelTrace | None = None
+        self._gradients_final = False  # this optimizer step's gradients are averaged (see `_finish_gradients`)
         self._grads = GradientStash()
         self._reducer: GradientReducer | None = None  # dp > 1: see [Note: overlapped gradient all-reduce]
         self._warned_eval_split = False
@@ -693,39 +694,58 @@ class SMPStrategy(ParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        """Finish a pipelined step's backward (it already ran in ``training_step``): put its gradients in ``.grad``."""
+        """Finish a pipelined step's backward (it already ran in ``training_step``): put its gradients in ``.grad``.
+
+        On the batch that ends an accumulation window the gradients are made final here (tp average, dp
+        all-reduce, tied sum: :meth:`_finish_gradients`), before ``post_backward`` runs ``on_after_backward``: a
+        hook there sees the averaged gradients, as under DDP (whose all-reduce ends with backward); on the other
+        batches of a window it sees the window's local gradients so far, as under DDP's ``no_sync``.
+        """
         module = self.lightning_module
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         self._grads.apply()
+        if self._syncs_gradients() and _steps_optimizer(module.trainer):
+            self._finish_gradients()
         return self.precision_plugin.post_backward(closure_loss, module)
+
+    def _syncs_gradients(self) -> bool:
+        return self.topology.data_parallel_degree > 1 or self.topology.tensor_parallel_degree > 1 or self._tied.active
+
+    def _finish_gradients(self) -> None:
+        """The window's gradients final on every rank: averaged over tp (replicated parameters) and dp, tied
+        copies summed. Once per optimizer step (``_gradients_final`` until the step is taken)."""
+        if self._gradients_final:
+            return
+        if self.topology.tensor_parallel_degree > 1:
+            _tp.average_replicated_grads(list(self.model.parameters()), self.groups)
+        if self.topology.data_parallel_degree > 1:
+            if self._reducer is None or not self._reducer.finish():  # not bucketed during backward: now
+                all_reduce_gradients(
+                    list(self.model.parameters()),
+                    self.device_mesh.get_group(MeshAxis.DP.value),
+                    self.topology.data_parallel_degree,
+                )
+        self._tied.reduce_gradients()  # after the dp average, so every copy gets the same bits (_tied.py)
+        self._gradients_final = True
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Step after the data-parallel gradient all-reduce (once per optimizer step, after accumulation): the
-        buckets launched during backward are waited for here (see [Note: overlapped gradient all-reduce]), else
-        the gradients are all-reduced now; then replicated tied weights sum their gradients (``_tied.py``)."""
-        if (
-            self.topology.data_parallel_degree == 1
-            and self.topology.tensor_parallel_degree == 1
-            and not self._tied.active
-        ):
+        """Step after the gradients are final (once per optimizer step, after accumulation): :meth:`backward` of
+        the window's last batch waited for the buckets launched during backward (see [Note: overlapped gradient
+        all-reduce]) or all-reduced then, and summed replicated tied weights' gradients (``_tied.py``); if
+        backward did not run (a step that returned ``None``), that happens here after the closure."""
+        if not self._syncs_gradients():
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
         def closure_then_all_reduce() -> Any:
             result = closure()
-            if self.topology.tensor_parallel_degree > 1:
-                _tp.average_replicated_grads(list(self.model.parameters()), self.groups)
-            if self.topology.data_parallel_degree > 1:
-                if self._reducer is None or not self._reducer.finish():  # not bucketed during backward: now
-                    all_reduce_gradients(
-                        list(self.model.parameters()),
-                        self.device_mesh.get_group(MeshAxis.DP.value),
-                        self.topology.data_parallel_degree,
-                    )
-            self._tied.reduce_gradients()  # after the dp average, so every copy gets the same bits (_tied.py)
+            self._finish_gradients()  # a no-op when backward made them final (it does unless backward was skipped)
             return result
 
-        return super().optimizer_step(optimizer, closure_then_all_reduce, model, **kwargs)
+        try:
+            return super().optimizer_step(optimizer, closure_then_all_reduce, model, **kwargs)
+        finally:
+            self._gradients_final = False
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float | int) -> None:
         """``gradient_clip_algorithm="norm"`` over the whole model: reduced over stages and tp shards (``_tp``)."""
