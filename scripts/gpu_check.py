@@ -14,6 +14,10 @@ Checks (each recorded as "pass", "fail" with the error, or "skipped" with the re
 - ``nccl_loop_back``: the NCCL data plane's code (packing into one aligned buffer, sequence numbers, the one
   communication thread, events before the send, receive after the header, unpacking) through NCCL loop-back in
   one process (this rank sends to itself), bitwise, with in-place writes to the sources after sending.
+- ``delayed_init_on_device``: the example GPT built under ``torch.device(<device>)`` with delayed parameter
+  initialisation, materialised one pipeline stage at a time (2 stages, the real planner on a meta trace): each
+  stage's tensors bitwise those of the eager build under the same device and seed (other stages' random ops draw
+  on scratch on that device, so its generator advances as in the eager build).
 - ``staging_per_mb`` / ``loop_back_per_mb``: ms per MB of pinned staging (device -> pinned host -> device) and of
   the NCCL loop-back, for a few message sizes.
 
@@ -35,6 +39,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
+from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -435,6 +440,43 @@ def staging_per_mb(device: torch.device, sizes_mb: list[int] = (1, 16, 64)) -> d
 # ---- driver -----------------------------------------------------------------------------------------------------
 
 
+def delayed_init_on_device(device: torch.device) -> dict:
+    from lightning_mp.init import delay_param_initialization, materialize_module
+    from lightning_mp.partition import plan, trace
+
+    def build(delayed: bool) -> nn.Module:
+        torch.manual_seed(0)
+        if device.type == "cuda":
+            torch.cuda.manual_seed(0)
+        with torch.device(device), (delay_param_initialization() if delayed else nullcontext()):
+            return _model("gpt")
+
+    tensors = lambda m: {**dict(m.named_parameters(remove_duplicate=False)), **dict(m.named_buffers())}  # noqa: E731
+    eager = {k: v.detach().cpu() for k, v in tensors(build(False)).items()}
+    covered, compared = set(), 0
+    for stage in range(2):
+        model = build(True)
+        sample = tuple(t.to("meta") for t in _batch("gpt"))
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            stage_of = plan(trace(model, lambda: _loss("gpt", model, sample)), 2).stage_of
+        for fqn, module in model.named_modules(remove_duplicate=False):  # what PipelineEngine.install drops
+            if next(module.parameters(), None) is not None and stage_of[fqn] != stage:
+                for kind in ("_parameters", "_buffers"):
+                    for key in getattr(module, kind):
+                        getattr(module, kind)[key] = None
+        materialize_module(model)
+        for name, value in tensors(model).items():
+            if value is None:
+                continue
+            if value.device.type != device.type or not torch.equal(value.detach().cpu(), eager[name]):
+                raise AssertionError(f"stage {stage}: {name} differs from the eager build on {device}")
+            covered.add(name)
+            compared += 1
+    if covered != set(eager):
+        raise AssertionError(f"tensors no stage holds: {sorted(set(eager) - covered)[:5]}")
+    return {"tensors_compared": compared}
+
+
 def _record(results: dict, name: str, fn: Callable[[], dict]) -> None:
     start = time.perf_counter()
     try:
@@ -468,6 +510,7 @@ def main() -> int:
         for plane in planes:
             _record(results, f"two_stage_{name}_{plane}", lambda: two_stage(name, device, plane))
     _record(results, "nccl_loop_back", lambda: nccl_loop_back(device=device))
+    _record(results, "delayed_init_on_device", lambda: delayed_init_on_device(device))
     if cuda:
         _record(results, "staging_per_mb", lambda: staging_per_mb(device))
     else:

@@ -166,6 +166,40 @@ def test_each_stage_allocates_only_its_own_tensors_bitwise_as_eager(name, num_st
     assert covered == set(eager_tensors), "the stages together hold every tensor"
 
 
+def test_storages_remember_the_device_of_the_eager_build():
+    """Factories record the device they asked for and ops inherit their input's: CPU builds record nothing."""
+    model = _delayed("gpt")
+    record = find_record(model)
+    assert record is not None and record.storage_devices == {}
+    with torch.device("meta"), delay_param_initialization():  # a device context fills in the factories' device
+        on_meta = nn.Linear(4, 4)
+    assert set(find_record(on_meta).storage_devices.values()) == {torch.device("meta")}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["gpt", "custom"])
+def test_a_build_under_a_cuda_device_gives_each_stage_the_eager_cuda_weights(name):
+    """Other stages' random ops draw on CUDA scratch, so the CUDA generator advances as in the eager build."""
+    torch.cuda.manual_seed(1234)
+    torch.manual_seed(1234)
+    with torch.device("cuda"):
+        eager = {k: v.cpu() for k, v in _tensors(BUILDS[name]()).items()}
+    covered: set[str] = set()
+    for stage in range(2):
+        torch.cuda.manual_seed(1234)
+        torch.manual_seed(1234)
+        with torch.device("cuda"), delay_param_initialization():
+            model = BUILDS[name]()
+        stage_of = _stage_of(name, model, 2)
+        _drop_other_stages(model, stage_of, stage)
+        materialize_module(model)
+        got = {k: v.cpu() for k, v in _tensors(model).items()}
+        _assert_bitwise(got, eager)
+        covered |= set(got)
+    assert covered == set(eager)
+
+
 def test_a_tensor_parallel_shard_is_the_slice_of_the_eager_tensor():
     eager = _tensors(_eager("gpt")[0])
     model = _delayed("gpt")

@@ -88,6 +88,9 @@ class InitRecord:
         constants: real tensors that came from outside the build (e.g. ``torch.tensor([...])`` data), by storage id.
         cpu_rng_state: the CPU generator state when the build started.
         cuda_rng_states: the CUDA generator states when the build started (empty if CUDA was not initialised).
+        storage_devices: the device each storage would have had in the eager build (a factory's ``device``, else
+            its first input's), by storage id; absent means CPU. Other stages' random ops draw on scratch there,
+            so that a build under ``torch.device("cuda")`` advances the CUDA generator as the eager one does.
     """
 
     ops: list[RecordedOp | SetRngState] = field(default_factory=list)
@@ -95,6 +98,7 @@ class InitRecord:
     constants: dict[int, torch.Tensor] = field(default_factory=dict)
     cpu_rng_state: torch.Tensor | None = None
     cuda_rng_states: list[torch.Tensor] = field(default_factory=list)
+    storage_devices: dict[int, torch.device] = field(default_factory=dict)
     # meta storages, kept alive so that their ids (``_cdata``) stay unique while the record lives
     _storages: list[Any] = field(default_factory=list, repr=False)
     _sid_of: dict[int, int] = field(default_factory=dict, repr=False)
@@ -193,6 +197,8 @@ class _Recorder(TorchDispatchMode):
             self._twins[storage._cdata] = base
             sid = self.record._ref_or_add(base).sid
             self.record.constants[sid] = torch.empty(0, dtype=torch.uint8, device=value.device).set_(storage)
+            if value.device.type != "cpu":
+                self.record.storage_devices[sid] = value.device
         return base.view(value.dtype).as_strided(value.shape, value.stride(), value.storage_offset())
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -231,9 +237,25 @@ class _Recorder(TorchDispatchMode):
         written = tree_flatten(_mutated_args(func, args, kwargs))[0]
         mutated = {record.ref(t).sid for t in written if isinstance(t, torch.Tensor)}
         new = {o.sid for o in outputs if o.sid >= known}
+        if new:
+            device = _eager_device(func, kwargs, reads, record.storage_devices)
+            if device.type != "cpu":
+                record.storage_devices.update(dict.fromkeys(new, device))
         record.ops.append(
             RecordedOp(func, rec_args, rec_kwargs, outputs, reads, frozenset(mutated | new), _is_random(func))
         )
+
+
+def _eager_device(func: Any, kwargs: dict, reads: frozenset[int], devices: dict[int, torch.device]) -> torch.device:
+    """Where an op's new storages would be in the eager build: a factory's ``device`` argument as requested
+    (a ``torch.device(...)`` context has filled it in before dispatch), else the device of what it reads."""
+    if "device" in {a.name for a in func._schema.arguments}:
+        requested = kwargs.get("device")
+        return torch.device(requested) if requested is not None else torch.device("cpu")
+    for sid in sorted(reads):
+        if sid in devices:
+            return devices[sid]
+    return torch.device("cpu")
 
 
 def _meta_failure_message(func: Any, err: BaseException) -> str:

@@ -264,8 +264,9 @@ def _chunking_holds(func, dtype: torch.dtype, args: tuple, kwargs: dict) -> bool
     return _CHUNKING_HOLDS[key]
 
 
-def _draw_on_scratch(op: RecordedOp) -> int:
-    """Run random ``op`` on scratch memory only (see [Note: chunked scratch draws]); returns the bytes used."""
+def _draw_on_scratch(op: RecordedOp, devices: dict[int, torch.device]) -> int:
+    """Run random ``op`` on scratch memory only (see [Note: chunked scratch draws]), on the device each tensor
+    would have had in the eager build (``InitRecord.storage_devices``); returns the bytes used."""
     target = op.args[0] if op.args else None
     rest = (op.args[1:], op.kwargs)
     chunkable = (
@@ -275,17 +276,14 @@ def _draw_on_scratch(op: RecordedOp) -> int:
         and math.prod(target.shape) > _CHUNK + 16
         and _contiguous(target)
         and op.kwargs.get("generator") is None
+        and target.sid not in devices  # on CPU
     )
     if chunkable and _chunking_holds(op.func, target.dtype, op.args[1:], op.kwargs):
         buffer = torch.empty(_CHUNK + 16, dtype=target.dtype)
         _fill(op.func, buffer, _chunks(math.prod(target.shape)), op.args[1:], op.kwargs)
         return buffer.numel() * buffer.element_size()
-    result = _run(op, _scratch)
+    result = _run(op, lambda ref: torch.empty_strided(ref.shape, ref.stride, dtype=ref.dtype, device=devices.get(ref.sid)))
     return sum(r.numel() * r.element_size() for r in tree_flatten(result)[0] if isinstance(r, torch.Tensor))
-
-
-def _scratch(ref: TensorRef) -> torch.Tensor:
-    return torch.empty_strided(ref.shape, ref.stride, dtype=ref.dtype)
 
 
 OnReady = Callable[[int, torch.UntypedStorage], int]
@@ -331,7 +329,7 @@ def replay(
                 for sid in made:  # its values are dead, but a later op overwrites the storage: allocate it then
                     storages.pending[sid] = op
                 if op.random:
-                    max_scratch = max(max_scratch, _draw_on_scratch(op))
+                    max_scratch = max(max_scratch, _draw_on_scratch(op, record.storage_devices))
                     scratched += 1
             peak = max(peak, storages.live + held)
             if not plan.real[index]:
@@ -367,7 +365,7 @@ def advance_rng(record: InitRecord) -> None:
         if isinstance(op, SetRngState):
             torch.set_rng_state(op.state)
         elif op.random:
-            _draw_on_scratch(op)
+            _draw_on_scratch(op, record.storage_devices)
 
 
 def _set_start_state(record: InitRecord) -> None:
