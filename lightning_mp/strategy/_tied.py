@@ -29,12 +29,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lightning_mp.partition import PartitionPlan, shared_parameters
+from lightning_mp.strategy._launch import print_on_one_rank
 from lightning_mp.topology import Topology
 
 __all__ = ["Tie", "TiedWeights", "build_tied_weights", "original_names", "rename_flat_key", "replicated_stages"]
@@ -146,7 +148,7 @@ def build_tied_weights(
     every_name: dict[str, list[str]] = {}
     for name, original in names.items():
         every_name.setdefault(original, [original]).append(name)
-    ties = []
+    ties, missing = [], []
     for fqn, stages in plan.replicated.items():
         own_group, src = None, None
         for dp_rank in range(topology.data_parallel_degree):
@@ -156,14 +158,21 @@ def build_tied_weights(
                 if topology.rank in ranks:
                     own_group, src = group, ranks[0]
         param = local.get(fqn) if own_group is not None else None
-        if own_group is not None and param is None:
-            raise ValueError(
-                f"The partition plan replicates {fqn!r} on stages {list(stages)}, but stage {topology.pp_rank} holds no"
-                " such parameter. The plan is for another model: drop `partition_plan` to plan anew."
-            )
+        if own_group is not None and param is None:  # said after every group exists, so that no rank waits alone
+            missing.append(f"{fqn!r} (on stages {list(stages)})")
         if param is not None:
             _attach_everywhere(model, param, every_name.get(fqn, [fqn]))
         ties.append(Tie(fqn, tuple(stages), param, own_group, src))
+    if plan.replicated:  # every rank learns whether any stage lacks a replicated parameter, and all raise
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (topology.pp_rank, missing))
+        for pp_rank, names_missing in gathered:
+            if names_missing:
+                error = ValueError(
+                    f"The partition plan replicates {', '.join(names_missing)}, but stage {pp_rank} holds no such"
+                    " parameter. The plan is for another model: drop `partition_plan` to plan anew."
+                )
+                raise print_on_one_rank(error, printed_by=0, rank=dist.get_rank())
     return TiedWeights(ties)
 
 
