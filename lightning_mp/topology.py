@@ -13,8 +13,9 @@ one gets neighbouring ranks). ``"spread"`` is ``"TPD"`` (replicas neighbouring);
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -136,12 +137,14 @@ class Topology:
 _PLACEMENTS = {"cluster": "DPT", "spread": "TPD"}
 
 
-def build_device_mesh(topology: Topology, device_type: str) -> DeviceMesh:
+def build_device_mesh(topology: Topology, device_type: str, timeout: timedelta | None = None) -> DeviceMesh:
     """Build the 3-axis ``DeviceMesh`` (dp, pp, tp) over the default process group.
 
     Args:
         topology: the grid; must match ``torch.distributed``'s world size.
         device_type: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL).
+        timeout: how long a collective on an axis group waits for its peers (torch's default when ``None``;
+            ``DeviceMesh`` otherwise gives its groups torch's default, not the world group's timeout).
 
     Raises:
         RuntimeError: if the default process group is not initialised or its size differs.
@@ -155,12 +158,24 @@ def build_device_mesh(topology: Topology, device_type: str) -> DeviceMesh:
             f"Topology expects world size {topology.world_size}, torch.distributed has {dist.get_world_size()}."
         )
     names = tuple(axis.value for axis in MeshAxis)
+    options = _group_options(device_type, timeout)
     if topology.axis_order == "DPT":
-        return init_device_mesh(device_type, topology.mesh_shape, mesh_dim_names=names)
+        override = {name: options for name in names} if options is not None else None
+        return init_device_mesh(device_type, topology.mesh_shape, mesh_dim_names=names, backend_override=override)
     from torch.distributed.device_mesh import DeviceMesh
 
     dp, pp, tp = topology.mesh_shape
     ranks = torch.tensor(
         [[[topology.global_rank(dp_rank=d, pp_rank=p, tp_rank=t) for t in range(tp)] for p in range(pp)] for d in range(dp)]
     )
-    return DeviceMesh(device_type, ranks, mesh_dim_names=names)
+    override = ((None, options),) * len(names) if options is not None else None
+    return DeviceMesh(device_type, ranks, mesh_dim_names=names, backend_override=override)
+
+
+def _group_options(device_type: str, timeout: timedelta | None) -> Any:
+    """The backend's group options carrying ``timeout`` (what ``DeviceMesh`` reads it from), or ``None``."""
+    if timeout is None:
+        return None
+    options = dist.ProcessGroupNCCL.Options() if device_type == "cuda" else dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    return options

@@ -179,3 +179,31 @@ def test_saved_plans_are_checked_against_the_model(tmp_path):
         load_plan(str(tmp_path / "partition.json"), nn.Sequential(*model, nn.ReLU()), 2)
     with pytest.raises(FileNotFoundError, match="No partition plan"):
         load_plan(str(tmp_path / "nothing.json"), model, 2)
+
+
+def _mesh_group_waits_for_timeout(rank: int, world_size: int) -> float | None:
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lightning_mp.topology import MeshAxis, build_device_mesh
+
+    mesh = build_device_mesh(Topology(world_size=2, rank=rank), "cpu", timedelta(seconds=2))
+    group = mesh.get_group(MeshAxis.DP.value)
+    if rank == 1:  # never joins: rank 0's all-reduce must give up after the mesh's timeout, not torch's 30 min
+        time.sleep(8)
+        return None
+    started = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1), group=group)
+    except RuntimeError:
+        return time.monotonic() - started
+    return -1.0
+
+
+def test_device_mesh_groups_use_the_strategy_timeout():
+    from tests._dist import run_distributed
+
+    waited = run_distributed(_mesh_group_waits_for_timeout, 2, start_method="fork")[0]
+    assert waited is not None and 1.5 < waited < 6.0, waited  # torch default: until rank 1 exits (8 s)

@@ -347,7 +347,7 @@ class SMPStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, timeout=self.config.timeout)
         if self._engine is None:  # a later fit/validate/test in the same processes keeps groups, plan and placement
-            self._device_mesh = build_device_mesh(self._topology, self.root_device.type)
+            self._device_mesh = build_device_mesh(self._topology, self.root_device.type, self.config.timeout)
             self._groups = _tp.build_groups(self._topology, self._device_mesh, self.config.timeout)
             self._engine = self._build_engine()
             release_at_exit(self)  # see [Note: exit-time abort] in _exit.py
