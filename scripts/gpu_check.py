@@ -1,4 +1,4 @@
-"""GPU check of the pipeline engine's two-plane transport, delayed init and offloading: one file, under 5 minutes on one GPU, writes a JSON.
+"""GPU check of the two-plane transport, delayed init and offloading: one file, under 5 minutes on one GPU, a JSON.
 
     python scripts/gpu_check.py [--out gpu_check.json] [--cpu]
 
