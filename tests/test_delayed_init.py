@@ -10,9 +10,10 @@ the ``DelayedParameterInit`` callback, and the context manager; training with de
 
 from __future__ import annotations
 
-import math
 import os
+import time
 import warnings
+from datetime import timedelta
 
 import lightning as L
 import pytest
@@ -24,6 +25,7 @@ import lightning_mp
 from lightning_mp.strategy._tied import original_names
 from lightning_mp.init import delay_param_initialization, find_record, materialize_module
 from lightning_mp.partition import plan, trace
+from lightning_mp.strategy._placement import make_plan_in_child
 
 warnings.filterwarnings("ignore", message=".*token_id.*")
 
@@ -474,9 +476,16 @@ class CountingSteps(Wrapped):
             raise ValueError("the step failed while being traced")
         return super().training_step(batch, batch_idx)
 
+    def train_dataloader(self) -> DataLoader:  # shuffles: iterating it draws from the global generator
+        return DataLoader(_token_batches(), batch_size=BATCH, shuffle=True)
+
+    def on_fit_start(self) -> None:
+        self.rng_at_fit_start = torch.rand(4)
+
     def on_train_end(self) -> None:
         plan = self.trainer.strategy.partition_plan.to_dict()
-        torch.save({"calls": self.calls, "plan": plan}, os.path.join(self.out_dir, f"calls{self.global_rank}.pt"))
+        torch.save({"calls": self.calls, "plan": plan, "rng": self.rng_at_fit_start},
+                   os.path.join(self.out_dir, f"calls{self.global_rank}.pt"))
 
 
 def test_the_meta_trace_runs_in_a_child_process_and_plans_as_in_process(tmp_path, monkeypatch):
@@ -491,16 +500,97 @@ def test_the_meta_trace_runs_in_a_child_process_and_plans_as_in_process(tmp_path
         strategy = lightning_mp.SMPStrategy(
             pipeline_parallel_degree=2, microbatches=2, start_method="fork", delayed_parameter_initialization=True
         )
+        torch.manual_seed(0)
         _trainer(str(out), 2, strategy).fit(CountingSteps("gpt2", str(out)))
         results[in_child] = torch.load(out / "calls0.pt", weights_only=False)
     assert results[True]["calls"] == STEPS * 2  # 2 microbatches per step; the trace ran in the child
     assert results[False]["calls"] == STEPS * 2 + 1  # + the trace, in-process
     assert results[True]["plan"] == results[False]["plan"]
+    # the first batch, fetched in the parent for the child (a shuffling sampler draws), leaves the generator as is
+    assert torch.equal(results[True]["rng"], results[False]["rng"])
 
 
-def test_an_error_in_the_child_trace_is_raised_on_every_rank_with_its_message(tmp_path):
+def test_an_error_in_the_child_trace_reaches_the_user_with_its_message(tmp_path):
     strategy = lightning_mp.SMPStrategy(
         pipeline_parallel_degree=2, microbatches=2, start_method="fork", delayed_parameter_initialization=True
     )
     with pytest.raises(Exception, match=r"Setup failed on global rank 0 while tracing.*ValueError: the step failed"):
         _trainer(str(tmp_path), 2, strategy).fit(CountingSteps("gpt2", str(tmp_path), fail_in_trace=True))
+
+
+# ---- the trace's child process, and where scratch draws run (found in review) ------------------------------
+
+
+class _NeedsTwoArguments(Exception):
+    def __init__(self, name, shape):
+        super().__init__(f"{name} has shape {shape}")
+        self.name, self.shape = name, shape
+
+
+def _raise_needs_two():
+    raise _NeedsTwoArguments("wte", (3, 4))
+
+
+def test_an_exception_that_does_not_unpickle_keeps_its_message():
+    with pytest.raises(RuntimeError, match=r"_NeedsTwoArguments: wte has shape \(3, 4\)"):
+        make_plan_in_child(_raise_needs_two, timedelta(seconds=60))
+
+
+def test_a_child_that_dies_and_a_child_that_hangs_are_reported():
+    with pytest.raises(RuntimeError, match="died"):
+        make_plan_in_child(lambda: os._exit(3), timedelta(seconds=60))
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="did not finish within"):
+        make_plan_in_child(lambda: time.sleep(60), timedelta(seconds=1))
+    assert time.monotonic() - started < 30  # killed, not waited for
+
+
+def _parallel_kernel():
+    torch.stack([torch.ones(1 << 20) for _ in range(8)]).mul_(2).sum()  # e.g. the DataLoader's collate
+    raise ValueError("the child ran a parallel CPU kernel")
+
+
+def test_the_child_runs_parallel_cpu_kernels_after_the_parent_used_its_openmp_pool():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        (torch.ones(1 << 22) * 2).sum()  # the parent's pool exists now (a datamodule's setup would do this)
+        with pytest.raises(ValueError, match="parallel CPU kernel"):
+            make_plan_in_child(_parallel_kernel, timedelta(seconds=30))
+    finally:
+        torch.set_num_threads(threads)
+
+
+class _NextToAParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Parameter(torch.empty(64, 8, device=self.a.weight.device))  # meta under delayed init
+        nn.init.normal_(self.b)
+        self.c = nn.Linear(8, 8)
+
+
+def test_a_tensor_allocated_on_a_build_tensors_device_draws_on_the_build_device():
+    """`device=w.device` is meta while recording; the eager build drew `b` on CPU, so `c` depends on that draw."""
+    torch.manual_seed(0)
+    eager = _NextToAParameter()
+    torch.manual_seed(0)
+    with delay_param_initialization():
+        model = _NextToAParameter()
+    model._parameters["b"] = None  # another stage's
+    materialize_module(model)
+    for name in ("c.weight", "c.bias"):
+        assert torch.equal(model.get_parameter(name), eager.get_parameter(name)), name
+
+
+def test_like_new_and_to_copy_keep_their_inputs_device():
+    with torch.device("meta"), delay_param_initialization():  # stands in for a CUDA build on a CPU machine
+        w = nn.Parameter(torch.empty(4, 4))
+        holder = nn.Module()
+        holder.w = w
+        holder.n = nn.Parameter(torch.randn_like(w))
+        holder.h = nn.Parameter(w.new_empty(4).uniform_())
+        holder.f = nn.Parameter(w.to(torch.float64))
+    record = find_record(holder)
+    sids = {record.ref(t).sid for t in (holder.n, holder.h, holder.f)}
+    assert all(record.storage_devices.get(s) == torch.device("meta") for s in sids), record.storage_devices

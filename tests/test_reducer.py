@@ -10,6 +10,7 @@ import lightning as L
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_mp
 from lightning_mp.strategy import _reducer
@@ -278,3 +279,43 @@ def test_a_parameter_unfrozen_after_setup_is_still_averaged(tmp_path):
     assert not ranks[0]["enabled"] and not ranks[1]["enabled"]
     for name, value in ranks[0]["params"].items():
         assert torch.equal(value, ranks[1]["params"][name]), name
+
+
+def test_replicas_stay_equal_when_optimizer_step_runs_only_the_closure_on_some_batches(tmp_path):
+    """Lightning's documented `optimizer_step` pattern: `optimizer_closure()` without a step on odd batches. The
+    gradients made final in that batch's backward must not count as final for the next window."""
+    class SkipOddSteps(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return (self.net(x) - y).pow(2).mean()
+
+        def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+            if batch_idx % 2 == 0:
+                optimizer.step(closure=optimizer_closure)
+            else:
+                optimizer_closure()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            g = torch.Generator().manual_seed(1)
+            return DataLoader(TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g)), batch_size=8)
+
+        def on_train_end(self):
+            params = {n: p.detach().clone() for n, p in self.named_parameters()}
+            torch.save(params, os.path.join(str(tmp_path), f"{self.global_rank}.pt"))
+
+    torch.set_num_threads(1)
+    L.Trainer(
+        accelerator="cpu", devices=2, strategy=lightning_mp.SMPStrategy(start_method="fork"), max_steps=4,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    ).fit(SkipOddSteps())
+    a, b = (torch.load(tmp_path / f"{r}.pt") for r in range(2))
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name} differs between the dp replicas"

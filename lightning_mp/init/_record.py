@@ -99,6 +99,7 @@ class InitRecord:
     cpu_rng_state: torch.Tensor | None = None
     cuda_rng_states: list[torch.Tensor] = field(default_factory=list)
     storage_devices: dict[int, torch.device] = field(default_factory=dict)
+    build_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     # meta storages, kept alive so that their ids (``_cdata``) stay unique while the record lives
     _storages: list[Any] = field(default_factory=list, repr=False)
     _sid_of: dict[int, int] = field(default_factory=dict, repr=False)
@@ -238,7 +239,7 @@ class _Recorder(TorchDispatchMode):
         mutated = {record.ref(t).sid for t in written if isinstance(t, torch.Tensor)}
         new = {o.sid for o in outputs if o.sid >= known}
         if new:
-            device = _eager_device(func, kwargs, reads, record.storage_devices)
+            device = _eager_device(func, kwargs, reads, record.storage_devices, record.build_device)
             if device.type != "cpu":
                 record.storage_devices.update(dict.fromkeys(new, device))
         record.ops.append(
@@ -246,16 +247,21 @@ class _Recorder(TorchDispatchMode):
         )
 
 
-def _eager_device(func: Any, kwargs: dict, reads: frozenset[int], devices: dict[int, torch.device]) -> torch.device:
-    """Where an op's new storages would be in the eager build: a factory's ``device`` argument as requested
-    (a ``torch.device(...)`` context has filled it in before dispatch), else the device of what it reads."""
-    if "device" in {a.name for a in func._schema.arguments}:
-        requested = kwargs.get("device")
-        return torch.device(requested) if requested is not None else torch.device("cpu")
+def _eager_device(
+    func: Any, kwargs: dict, reads: frozenset[int], devices: dict[int, torch.device], build_device: torch.device
+) -> torch.device:
+    """Where an op's new storages would be in the eager build: a ``device`` argument as requested (a
+    ``torch.device(...)`` context has filled it in for factories before dispatch), else the device of what it reads
+    (``*_like``, ``new_*``, ``_to_copy`` without ``device=`` keep their input's), else CPU. A requested ``meta``
+    is a build tensor's ``.device`` (``torch.empty(n, device=w.device)``): the eager build had its input's device
+    there, or the device the build ran under."""
+    requested = kwargs.get("device")
+    if requested is not None and torch.device(requested).type != "meta":
+        return torch.device(requested)
     for sid in sorted(reads):
         if sid in devices:
             return devices[sid]
-    return torch.device("cpu")
+    return build_device if requested is not None else torch.device("cpu")
 
 
 def _meta_failure_message(func: Any, err: BaseException) -> str:
@@ -302,7 +308,7 @@ def delay_param_initialization() -> Iterator[InitRecord | None]:
     if is_recording():
         yield None
         return
-    record = InitRecord(cpu_rng_state=torch.get_rng_state())
+    record = InitRecord(cpu_rng_state=torch.get_rng_state(), build_device=torch.get_default_device())
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         record.cuda_rng_states = torch.cuda.get_rng_state_all()
     handles = _tag_modules_with(record)

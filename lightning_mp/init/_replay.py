@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -282,7 +282,10 @@ def _draw_on_scratch(op: RecordedOp, devices: dict[int, torch.device]) -> int:
         buffer = torch.empty(_CHUNK + 16, dtype=target.dtype)
         _fill(op.func, buffer, _chunks(math.prod(target.shape)), op.args[1:], op.kwargs)
         return buffer.numel() * buffer.element_size()
-    result = _run(op, lambda ref: torch.empty_strided(ref.shape, ref.stride, dtype=ref.dtype, device=devices.get(ref.sid)))
+    cpu = torch.device("cpu")
+    if "device" in op.kwargs and op.outputs:  # a random factory draws where the eager one did (not on meta)
+        op = replace(op, kwargs={**op.kwargs, "device": devices.get(op.outputs[0].sid, cpu)})
+    result = _run(op, lambda ref: torch.empty_strided(ref.shape, ref.stride, dtype=ref.dtype, device=devices.get(ref.sid, cpu)))
     return sum(r.numel() * r.element_size() for r in tree_flatten(result)[0] if isinstance(r, torch.Tensor))
 
 

@@ -40,7 +40,10 @@ __all__ = ["MicrobatchRNG", "draws_no_random_numbers"]
 # the same on every rank and layout: a module is draw-free when it and every module under it are exactly one of
 # the torch.nn classes below (no subclass: it may override ``forward``), none has an instance-level ``forward`` or
 # a forward hook, and no global module forward hook is registered. Dropout, RReLU and modules with a dropout
-# argument (attention, transformer layers, RNNs) are not in the list; neither is any user-defined class.
+# argument (attention, transformer layers, RNNs) are not in the list; neither is any user-defined class. The
+# decision is taken once, when the engine installs the model at setup: a module swapped in later (a Dropout put into
+# a plain Sequential) or a forward hook registered after setup draws from its caller's stream, which may then differ
+# between pipeline degrees.
 _DRAW_FREE_CLASSES = frozenset(
     getattr(nn, name)
     for name in (

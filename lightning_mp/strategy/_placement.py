@@ -36,12 +36,13 @@ if TYPE_CHECKING:
 __all__ = [
     "PLAN_KEY",
     "broadcast_plan",
+    "first_batch",
     "load_plan",
     "make_plan",
     "make_plan_in_child",
-    "trace_in_child",
     "plan_saved_in",
     "single_stage_plan",
+    "trace_in_child",
 ]
 
 PLAN_KEY = "lightning_mp"  # checkpoint entry: {"partition_plan": PartitionPlan.to_dict()}
@@ -59,17 +60,23 @@ def single_stage_plan(module: torch.nn.Module) -> PartitionPlan:
     return PartitionPlan(1, {fqn: 0 for fqn, _ in module.named_modules(remove_duplicate=False)}, (1.0,))
 
 
+_FETCH = object()  # `make_plan(batch=...)`: take the first batch from the trainer's dataloader
+
+
 def make_plan(
-    trainer: pl.Trainer, config: SMPConfig, to_device: Callable[[Any], Any]
+    trainer: pl.Trainer, config: SMPConfig, to_device: Callable[[Any], Any], batch: Any = _FETCH
 ) -> tuple[PartitionPlan, ModelTrace]:
     """Trace one microbatch through the step the trainer is about to run, and plan the stages.
+
+    ``batch``: the batch to trace (from :func:`first_batch`); by default the first batch of the stage's dataloader
+    is fetched here.
 
     Raises:
         ValueError: if no sample input can be found, or the planner rejects the model/config.
         RuntimeError: if the model fails while being traced.
     """
     module = trainer.lightning_module
-    model_trace = _trace_like_the_step(trainer, config, to_device)
+    model_trace = _trace_like_the_step(trainer, config, to_device, batch)
     _reset_metrics(module)
     stages = plan(
         model_trace,
@@ -91,16 +98,20 @@ def make_plan_in_child(
 ) -> tuple[PartitionPlan, ModelTrace]:
     """Run ``make`` (the meta trace and the planner) in a forked child process and return its result.
 
-    [Note: the meta trace runs in a child process] Under delayed init global rank 0 traces the meta-built model once to plan the stages. That trace costs about
-    10 MiB of resident memory that is never given back (the first use of torch's meta kernels and autograd on meta
-    tensors: C++ and interpreter caches, not tensors; a second trace in the same process costs ~0) -- rank 0's
-    setup peak was its own parameter bytes x 1.39 against 1.18 on the other ranks with 48 MiB stages. A forked
-    child shares the parent's pages copy-on-write, traces, sends back the plan and the trace (plain data, pickled
-    through a pipe) and exits, and its memory leaves with it; the parent's modules, buffers, metric states and
-    random generators are not touched at all. Only for a meta trace: it runs no kernels (no OpenMP pool, which is
-    not fork-safe) and no collectives, and it is used only while CUDA is uninitialised in the process (a forked
-    child cannot use CUDA). The child has ``timeout`` to answer; an error in it is raised here as it was raised
-    there (re-created as ``RuntimeError`` when it does not pickle).
+    [Note: the meta trace runs in a child process] Under delayed init global rank 0 traces the meta-built model once
+    to plan the stages. That trace costs about 10 MiB of resident memory that is never given back (the first use of
+    torch's meta kernels and autograd on meta tensors: C++ and interpreter caches, not tensors; a second trace in the
+    same process costs ~0) -- rank 0's setup peak was its own parameter bytes x 1.39 against 1.18 on the other ranks
+    with 48 MiB stages. A forked child shares the parent's pages copy-on-write, traces, sends back the plan and the
+    trace (plain data, pickled through a pipe) and exits, and its memory leaves with it; the parent's modules,
+    buffers, metric states and random generators are not touched at all. The parent fetches the first batch before
+    the fork (data loading, its workers and collate stay in the parent), so the child runs the user's step on meta
+    tensors only: no collectives and, normally, no CPU kernels; it runs with one intra-op thread anyway (a forked
+    child cannot use the parent's OpenMP pool, as torch's DataLoader workers also know). Used only while CUDA is
+    uninitialised in the process (a forked child cannot use CUDA). The child has ``timeout`` to answer (it is
+    killed then, and on an interrupt); an error in it is raised here as it was raised there, or as a
+    ``RuntimeError`` with its type and message when it does not survive pickling. While the child runs, its
+    copy-on-write pages (refcounts touched by Python) add to the machine's memory, not to rank 0's.
 
     Raises:
         RuntimeError: if the child dies without an answer or does not answer within ``timeout``.
@@ -116,6 +127,9 @@ def make_plan_in_child(
         status = 0
         try:
             os.close(read_fd)
+            # the parent's OpenMP pool does not exist here: a parallel CPU kernel (the DataLoader's collate of the
+            # first batch) would wait for it forever; torch's DataLoader workers do the same (_worker_loop)
+            torch.set_num_threads(1)
             try:
                 stages, model_trace = make()
                 payload: tuple = ("ok", stages.to_dict(), model_trace)
@@ -123,8 +137,9 @@ def make_plan_in_child(
                 payload = ("error", err)
             try:
                 data = pickle.dumps(payload)
-            except Exception:  # noqa: BLE001 - an exception that does not pickle goes back as text
-                err = payload[1] if payload[0] == "error" else None
+                pickle.loads(data)  # an exception can pickle and still not unpickle (a required __init__ argument)
+            except Exception as failure:  # noqa: BLE001 - what does not travel goes back as text
+                err = payload[1] if payload[0] == "error" else failure
                 data = pickle.dumps(("error", RuntimeError(f"{type(err).__name__}: {err}")))
             with os.fdopen(write_fd, "wb") as pipe:
                 pipe.write(data)
@@ -139,10 +154,11 @@ def make_plan_in_child(
     deadline = time.monotonic() + timeout.total_seconds()
     try:
         with os.fdopen(read_fd, "rb", buffering=0) as pipe:
+            poller = select.poll()  # not select.select: a process of a large job may hold descriptors >= 1024
+            poller.register(pipe, select.POLLIN)
             while True:
                 left = deadline - time.monotonic()
-                if left <= 0 or not select.select([pipe], [], [], left)[0]:
-                    os.kill(pid, signal.SIGKILL)
+                if left <= 0 or not poller.poll(left * 1000):
                     raise RuntimeError(
                         f"The partitioning trace (in a child process of global rank 0) did not finish within"
                         f" timeout={timeout}; raise `timeout` if the model is that large."
@@ -151,6 +167,9 @@ def make_plan_in_child(
                 if not chunk:
                     break
                 chunks.append(chunk)
+    except BaseException:  # the timeout, or e.g. KeyboardInterrupt: do not wait for the trace to end
+        os.kill(pid, signal.SIGKILL)
+        raise
     finally:
         _, code = os.waitpid(pid, 0)
     if not chunks:
@@ -166,7 +185,9 @@ def trace_in_child(model_is_meta: bool) -> bool:
     return model_is_meta and hasattr(os, "fork") and not torch.cuda.is_initialized()
 
 
-def _trace_like_the_step(trainer: pl.Trainer, config: SMPConfig, to_device: Callable[[Any], Any]) -> ModelTrace:
+def _trace_like_the_step(
+    trainer: pl.Trainer, config: SMPConfig, to_device: Callable[[Any], Any], batch: Any = _FETCH
+) -> ModelTrace:
     """Trace one microbatch on the code path the trainer will run, leaving no trace of the trace.
 
     A fit is traced in training mode with gradients (dropout, ``if self.training:`` branches, BatchNorm
@@ -183,7 +204,7 @@ def _trace_like_the_step(trainer: pl.Trainer, config: SMPConfig, to_device: Call
         with torch.random.fork_rng(devices=devices):  # the sample and the trace leave the RNG as it was
             return trace(
                 module,
-                _trace_run(trainer, config, to_device),
+                _trace_run(trainer, config, to_device, batch),
                 measure_time=config.trace_execution_times,
                 grad_enabled=training,
             )
@@ -302,9 +323,11 @@ def broadcast_plan(result: tuple[PartitionPlan, Any] | BaseException | None, src
     return PartitionPlan.from_dict(rest[0])
 
 
-def _trace_run(trainer: pl.Trainer, config: SMPConfig, to_device: Callable[[Any], Any]) -> Callable[[], Any]:
+def _trace_run(
+    trainer: pl.Trainer, config: SMPConfig, to_device: Callable[[Any], Any], batch: Any = _FETCH
+) -> Callable[[], Any]:
     module = trainer.lightning_module
-    batch = _first_batch(trainer)
+    batch = first_batch(trainer) if batch is _FETCH else batch
     if batch is None:
         example = module.example_input_array
         if example is None:
@@ -328,6 +351,15 @@ def _trace_run(trainer: pl.Trainer, config: SMPConfig, to_device: Callable[[Any]
             del module.log
 
     return run
+
+
+def first_batch(trainer: pl.Trainer) -> Any | None:
+    """The first batch of the dataloader of the stage the trainer runs, as the loop would get it (before moving it
+    to the device); ``None`` without a dataloader. The random generators are left as they were (the dataloader
+    hook, a shuffling sampler and worker seeds draw from them)."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        return _first_batch(trainer)
 
 
 def _first_batch(trainer: pl.Trainer) -> Any | None:

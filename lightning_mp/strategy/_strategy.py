@@ -56,8 +56,10 @@ from lightning_mp.strategy._summary import (
     summarize_whole_model,
 )
 from lightning_mp.strategy._placement import (
+    _FETCH,
     PLAN_KEY,
     broadcast_plan,
+    first_batch,
     load_plan,
     make_plan,
     make_plan_in_child,
@@ -485,12 +487,17 @@ class SMPStrategy(ParallelStrategy):
                 try:  # the sample goes in as the loop would give it (device, then the precision's dtype; meta if delayed)
                     to_device = meta_trace_inputs(self._sample_to_device) if is_delayed(module) else self._sample_to_device
 
+                    in_child = trace_in_child(is_delayed(module))
+                    # the batch is fetched here: data loading (workers, collate) stays in this process
+                    batch = first_batch(trainer) if in_child else _FETCH
+
                     def make() -> tuple[PartitionPlan, ModelTrace]:
                         with self.precision_plugin.forward_context():
-                            return make_plan(trainer, self.config, to_device)
+                            return make_plan(trainer, self.config, to_device, batch)
 
-                    # see [Note: the meta trace runs in a child process] in _placement.py
-                    result = make_plan_in_child(make, self.config.timeout) if trace_in_child(is_delayed(module)) else make()
+                    # see [Note: the meta trace runs in a child process] in _placement.py; the child gets 80% of the
+                    # timeout, so that the other ranks, waiting in the plan's broadcast, hear why it failed
+                    result = make_plan_in_child(make, self.config.timeout * 0.8) if in_child else make()
                 except Exception as err:  # every rank must learn of it, or the others wait in the broadcast
                     result = err
             self._plan = broadcast_plan(result)
@@ -592,6 +599,7 @@ class SMPStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = self.lightning_module.trainer
+        self._gradients_final = False  # final only from this batch's backward to its optimizer step
         params = list(self.model.parameters())
         first_in_window = trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
         self._grads.begin(params, keep_previous=not first_in_window)
