@@ -594,3 +594,25 @@ def test_like_new_and_to_copy_keep_their_inputs_device():
     record = find_record(holder)
     sids = {record.ref(t).sid for t in (holder.n, holder.h, holder.f)}
     assert all(record.storage_devices.get(s) == torch.device("meta") for s in sids), record.storage_devices
+
+
+class _FactoryOnABuildTensorsDevice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Parameter(torch.randn(8, device=self.a.weight.device))  # `device=` is meta while recording
+        self.c = nn.Linear(8, 8)
+
+
+def test_a_random_factory_on_a_build_tensors_device_is_made_real_on_its_own_stage_and_drawn_on_others():
+    torch.manual_seed(0)
+    eager = _FactoryOnABuildTensorsDevice()
+    for drop in (None, "b"):
+        torch.manual_seed(0)
+        with delay_param_initialization():
+            model = _FactoryOnABuildTensorsDevice()
+        if drop:
+            model._parameters[drop] = None  # another stage's
+        materialize_module(model)
+        for name, value in model.named_parameters():
+            assert value.device.type == "cpu" and torch.equal(value, eager.get_parameter(name)), (drop, name)

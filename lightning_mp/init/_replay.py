@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -80,10 +80,11 @@ class _Storages:
         if op is None:
             return
         out = next(o for o in op.outputs if o.sid == sid)
+        devices = self.record.storage_devices
         if op.func in _LAZY:
-            self.adopt(out, _run(op, self.view))
+            self.adopt(out, _run(op, self.view, devices))
         else:  # its factory's values are dead (overwritten whole before any read): a fresh allocation will do
-            device = op.kwargs.get("device")
+            device = devices.get(sid, _CPU)
             self.adopt(out, torch.empty_strided(out.shape, out.stride, dtype=out.dtype, device=device))
 
     def _put(self, sid: int, storage: torch.UntypedStorage) -> None:
@@ -203,9 +204,16 @@ def _fill_dtype(op: RecordedOp, kwargs: dict) -> dict:
     return kwargs
 
 
-def _run(op: RecordedOp, convert: Callable[[TensorRef], torch.Tensor]) -> object:
+def _run(op: RecordedOp, convert: Callable[[TensorRef], torch.Tensor], devices: dict[int, torch.device]) -> object:
+    """Run ``op`` on real tensors; a factory makes its output on the device of the eager build (the recorded
+    ``device=`` may be a build tensor's meta device: ``torch.randn(n, device=w.device)``)."""
     args, kwargs = tree_map(lambda x: convert(x) if isinstance(x, TensorRef) else x, (op.args, op.kwargs))
+    if "device" in kwargs and op.outputs:
+        kwargs = {**kwargs, "device": devices.get(op.outputs[0].sid, _CPU)}
     return op.func(*args, **_fill_dtype(op, kwargs))
+
+
+_CPU = torch.device("cpu")
 
 
 # [Note: chunked scratch draws] A random op on another rank's tensor only has to advance the generator as the
@@ -282,10 +290,8 @@ def _draw_on_scratch(op: RecordedOp, devices: dict[int, torch.device]) -> int:
         buffer = torch.empty(_CHUNK + 16, dtype=target.dtype)
         _fill(op.func, buffer, _chunks(math.prod(target.shape)), op.args[1:], op.kwargs)
         return buffer.numel() * buffer.element_size()
-    cpu = torch.device("cpu")
-    if "device" in op.kwargs and op.outputs:  # a random factory draws where the eager one did (not on meta)
-        op = replace(op, kwargs={**op.kwargs, "device": devices.get(op.outputs[0].sid, cpu)})
-    result = _run(op, lambda ref: torch.empty_strided(ref.shape, ref.stride, dtype=ref.dtype, device=devices.get(ref.sid, cpu)))
+    scratch = lambda ref: torch.empty_strided(ref.shape, ref.stride, dtype=ref.dtype, device=devices.get(ref.sid, _CPU))  # noqa: E731
+    result = _run(op, scratch, devices)  # a random factory draws where the eager one did
     return sum(r.numel() * r.element_size() for r in tree_flatten(result)[0] if isinstance(r, torch.Tensor))
 
 
@@ -319,7 +325,7 @@ def replay(
                 storages.pending[made[0]] = op  # allocated when first touched
                 ran += 1
             elif plan.real[index]:
-                result = _run(op, storages.view)
+                result = _run(op, storages.view, record.storage_devices)
                 fresh = [o for o in op.outputs if o.sid in op.writes and o.sid not in storages.real]
                 if fresh:
                     results = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
