@@ -764,9 +764,9 @@ class SMPStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError("The 'smp' strategy saves through torch.distributed.checkpoint; `storage_options` is unused.")
         path = Path(self.broadcast(str(filepath)))
-        checkpoint[PLAN_KEY] = {"partition_plan": self.partition_plan.to_dict()}
+        checkpoint[PLAN_KEY] = {"partition_plan": self.partition_plan.to_dict(), "layout": dict(zip(("dp", "pp", "tp"), self.topology.mesh_shape))}
         if self._save_distributed_checkpoint:
-            _checkpoint.save_checkpoint(checkpoint, path, self.is_global_zero, self._param_names)
+            _checkpoint.save_checkpoint(checkpoint, path, self.is_global_zero, self._param_names, self.model)
             return
         if self._sharded_optimizers():  # ZeRO-1: each dp rank holds a share of its stage's optimizer state
             group = self.device_mesh.get_group(MeshAxis.DP.value)
@@ -783,6 +783,11 @@ class SMPStrategy(ParallelStrategy):
                 self._param_names,
             )
         self.barrier("save_checkpoint")
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:  # its name goes in one rename (see [Note: checkpoint commit] in _checkpoint.py)
+            _checkpoint.remove_checkpoint(Path(filepath))
 
     def _sharded_optimizers(self) -> bool:
         return any(local_optimizer(_unwrap(o)) is not _unwrap(o) for o in self.optimizers)
