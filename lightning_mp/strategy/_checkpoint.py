@@ -31,7 +31,6 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
@@ -50,6 +49,7 @@ __all__ = [
     "gather_sharded_optimizer_states",
     "load_checkpoint",
     "load_full_checkpoint",
+    "load_weights",
     "model_state_dict",
     "name_checkpoint_folders",
     "optimizer_state_dict",
@@ -527,3 +527,56 @@ def _load_native_optimizer_state(
             next_index += 1
         local["param_groups"].append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": indices})
     optimizer.load_state_dict(local)
+
+
+def load_weights(path: str | Path, model: nn.Module, names: Mapping[str, str], *, strict: bool) -> None:
+    """Initialise this rank's part of ``model`` from whole weights at ``path`` (see ``SMPStrategy(load_weights=)``):
+    each tensor-parallel parameter keeps its slice of the full tensor (the distributed modules' load hook).
+
+    Raises:
+        CheckpointMismatchError: with ``strict``, if ``path`` lacks a parameter or buffer of this stage; the same
+            error on every rank (the lists are gathered).
+    """
+    from lightning_mp.strategy._consolidate import hf_info, read_weights
+
+    info = hf_info(model)
+    saved = read_weights(path, info["prefix"] if info else "")
+    for other, original in names.items():  # a shared parameter under either of its names
+        if other not in saved and original in saved:
+            saved[other] = saved[original]
+        elif original not in saved and other in saved:
+            saved[original] = saved[other]
+    local = model_state_dict(model)
+    shardings = _shardings(model)
+    missing = sorted(k for k in local if k not in saved)
+    mismatched = []
+    for key, value in local.items():
+        if key in saved and isinstance(value, Tensor):
+            expected = full_shape(value.shape, shardings[key].spec) if key in shardings else value.shape
+            if tuple(saved[key].shape) != tuple(expected):
+                mismatched.append((key, tuple(saved[key].shape), tuple(expected)))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (missing, mismatched))
+    all_missing = sorted({k for m, _ in everyone for k in m})
+    all_mismatched = sorted({t for _, mm in everyone for t in mm})
+    if all_missing or all_mismatched:
+        message = f"The weights at {path} do not fit this model: " + "; ".join(
+            part
+            for part in (
+                f"missing keys ({len(all_missing)}): {all_missing[:10]}" if all_missing else "",
+                "shape mismatches (key, saved, this model): "
+                + ", ".join(f"{k}: {a} vs {b}" for k, a, b in all_mismatched[:10])
+                if all_mismatched
+                else "",
+            )
+            if part
+        )
+        if all_mismatched or strict:
+            raise CheckpointMismatchError(
+                message + ". Pass weights of this model (original module FQNs and full shapes), or set"
+                " `strict_loading = False` on the LightningModule to skip missing keys."
+            )
+        rank_zero_warn(message + "; they keep their initial values (strict_loading=False).")
+    with torch.no_grad():
+        model.load_state_dict({k: saved[k] for k in local if k in saved}, strict=False)
+    rank_zero_info(f"lightning_mp: initial weights loaded from {path}")

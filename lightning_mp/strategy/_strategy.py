@@ -42,6 +42,7 @@ from lightning_mp.pipeline import MicrobatchSplitError, PipelineEngine, merge_mi
 from lightning_mp.init import delay_param_initialization
 from lightning_mp.memory._host import fix_mmap_threshold, trim_host_memory
 from lightning_mp.strategy import _checkpoint
+from lightning_mp.strategy._consolidate import hf_info
 from lightning_mp.strategy import _tp
 from lightning_mp.strategy._exit import release_at_exit
 from lightning_mp.strategy._launch import apply_thread_policy, make_launcher, resolve_resume_path
@@ -119,6 +120,11 @@ class SMPStrategy(ParallelStrategy):
             shards per checkpoint (every rank writes its own part; resumable at any layout); ``False`` writes one
             full Lightning checkpoint file from global rank 0, which ``Model.load_from_checkpoint`` and any other
             strategy read. Either kind resumes an ``smp`` run, as does a plain Lightning checkpoint file.
+        load_weights: initial weights for the model, read at setup after partitioning, each rank keeping its own
+            stage's tensors and its tp slice of them: a plain state dict (``.pt``, ``.bin``, ``.safetensors``), a
+            Lightning checkpoint file, a lightning_mp checkpoint folder, or a Hugging Face folder (keys of the
+            LightningModule's transformers model). The optimizer starts fresh. Missing keys raise unless the
+            LightningModule's ``strict_loading`` is ``False``.
         replan_on_resume: a run resumed with ``fit(ckpt_path=...)`` (a path, or ``"last"``/``"best"`` as Lightning
             resolves them) reuses the partition plan saved in that checkpoint when it fits the model and
             ``pipeline_parallel_degree`` (else it plans anew, and says so); ``True`` always plans anew.
@@ -166,6 +172,7 @@ class SMPStrategy(ParallelStrategy):
         deterministic_order: bool | None = None,
         start_method: Literal["popen", "spawn", "fork"] = "popen",
         save_distributed_checkpoint: bool = True,
+        load_weights: str | Path | None = None,
         replan_on_resume: bool = False,
         delayed_parameter_initialization: bool = False,
         shard_optimizer_state: bool = False,
@@ -211,6 +218,7 @@ class SMPStrategy(ParallelStrategy):
         )
         self._start_method = start_method
         self._save_distributed_checkpoint = save_distributed_checkpoint
+        self._load_weights = load_weights
         self._param_order: list[str] | None = None  # the whole model's parameter FQNs, before placement
         self._param_names: dict[str, str] = {}  # other names of shared parameters -> original FQN (see _tied.py)
         self._tied = TiedWeights([])
@@ -409,6 +417,10 @@ class SMPStrategy(ParallelStrategy):
         if self._save_distributed_checkpoint:
             _checkpoint.name_checkpoint_folders(trainer.checkpoint_callbacks)
         self._place_modules(trainer)
+        if self._load_weights is not None:
+            _checkpoint.load_weights(
+                self._load_weights, self.lightning_module, self._param_names, strict=self.lightning_module.strict_loading
+            )
         self._build_reducer()
         if self.topology.pipeline_parallel_degree * self.topology.tensor_parallel_degree > 1:
             sync_metrics_over(self.lightning_module, self.device_mesh.get_group(MeshAxis.DP.value))
@@ -764,7 +776,12 @@ class SMPStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError("The 'smp' strategy saves through torch.distributed.checkpoint; `storage_options` is unused.")
         path = Path(self.broadcast(str(filepath)))
-        checkpoint[PLAN_KEY] = {"partition_plan": self.partition_plan.to_dict(), "layout": dict(zip(("dp", "pp", "tp"), self.topology.mesh_shape))}
+        checkpoint[PLAN_KEY] = {
+            "partition_plan": self.partition_plan.to_dict(),
+            "layout": dict(zip(("dp", "pp", "tp"), self.topology.mesh_shape)),
+            "tied_names": dict(self._param_names),  # for consolidation (see _consolidate.py)
+            "hf": hf_info(self.lightning_module),
+        }
         if self._save_distributed_checkpoint:
             _checkpoint.save_checkpoint(checkpoint, path, self.is_global_zero, self._param_names, self.model)
             return
