@@ -32,7 +32,6 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
-    set_optimizer_state_dict,
 )
 from torch.optim import Optimizer
 
@@ -329,8 +328,39 @@ def load_checkpoint(
                 if original in pieces:
                     value = by_original[original]
                     loaded[k] = value if isinstance(value, Tensor) else pieces[original]
-            set_optimizer_state_dict(model, optimizer, optim_state_dict=loaded, options=_OPTIM_OPTIONS)
+            set_flat_optimizer_state(model, optimizer, loaded)
     return torch.load(path / METADATA_FILENAME, weights_only=weights_only)
+
+
+def set_flat_optimizer_state(model: nn.Module, optimizer: Optimizer, flat: Mapping[str, Any]) -> None:
+    """Load a flattened, FQN-keyed optimizer state (as :func:`optimizer_state_dict` gives) into ``optimizer``.
+
+    ``set_optimizer_state_dict`` of torch does the same but fails with an ``IndexError`` when a param group is
+    empty (a pipeline stage that holds none of a group's parameters, e.g. no weight-decayed ones); here an empty
+    group keeps its hyper-parameters. Keys of this optimizer's parameters absent from ``flat`` leave their state
+    empty (it is created at the first step).
+    """
+    state: dict[str, dict[str, Any]] = {}
+    hyper: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        section, fqn, name = _split_flat_key(key)
+        (state if section == "state" else hyper).setdefault(fqn, {})[name] = value
+    fqn_of = {id(p): fqn for fqn, p in model.named_parameters()}
+    native: dict[str, Any] = {"state": {}, "param_groups": []}
+    index = 0
+    for group in optimizer.param_groups:
+        ids = []
+        for p in group["params"]:
+            fqn = fqn_of[id(p)]
+            if fqn in state:
+                native["state"][index] = state[fqn]
+            ids.append(index)
+            index += 1
+        first = fqn_of[id(group["params"][0])] if group["params"] else None
+        hps = hyper.get(first, {}) if first is not None else {}
+        kept = {k: v for k, v in group.items() if k != "params"}
+        native["param_groups"].append({**kept, **hps, "params": ids})
+    optimizer.load_state_dict(native)
 
 
 # ---- one full Lightning checkpoint file (save_distributed_checkpoint=False, and plain checkpoints) ------------
