@@ -18,6 +18,7 @@ import argparse
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +35,7 @@ def _size(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
-def _run(config: str, args: argparse.Namespace, workdir: str) -> dict:
+def _run(config: str, args: argparse.Namespace, workdir: str) -> None:
     import lightning as L
     import torch
     import torch.distributed as dist
@@ -64,6 +65,10 @@ def _run(config: str, args: argparse.Namespace, workdir: str) -> dict:
             return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=2)
 
     result: dict = {}
+    if config.startswith("smp"):
+        import warnings
+
+        warnings.filterwarnings("ignore")
 
     class Measure(L.Callback):
         def on_train_end(self, trainer, pl_module) -> None:
@@ -98,12 +103,22 @@ def _run(config: str, args: argparse.Namespace, workdir: str) -> dict:
         enable_progress_bar=False, enable_model_summary=False, callbacks=[Measure()],
     )
     trainer.fit(GPT())
-    out = torch.load(os.path.join(workdir, f"{config}.result"), weights_only=False)
+
+
+def _run_in_subprocess(config: str, args: argparse.Namespace, workdir: str) -> dict:
+    """One configuration in a fresh interpreter (its own rendezvous port, no state left by the others)."""
+    import torch
+
+    command = [
+        sys.executable, "-W", "ignore", os.path.abspath(__file__), "--one", config, "--workdir", workdir,
+        "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd), "--vocab", str(args.vocab),
+    ]
+    subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": ROOT})
     for name in os.listdir(workdir):
         if name.startswith(config) and not name.endswith(".result"):
             target = os.path.join(workdir, name)
             shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
-    return out
+    return torch.load(os.path.join(workdir, f"{config}.result"), weights_only=False)
 
 
 def main() -> None:
@@ -113,13 +128,18 @@ def main() -> None:
     parser.add_argument("--n-embd", type=int, default=768)
     parser.add_argument("--vocab", type=int, default=50304)
     parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.one:
+        _run(args.one, args, args.workdir)
+        return
     configs = args.configs.split(",")
     times: dict[str, list[dict]] = {c: [] for c in configs}
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as workdir:
         for _ in range(args.rounds):
             for config in configs:
-                times[config].append(_run(config, args, workdir))
+                times[config].append(_run_in_subprocess(config, args, workdir))
     base = "model-parallel-fsdp2"
     median = {c: {k: statistics.median(r[k] for r in rs) for k in ("save_s", "load_s", "bytes")} for c, rs in times.items()}
     print(f"GPT n_layer={args.n_layer} n_embd={args.n_embd} vocab={args.vocab}, 2 CPU ranks, gloo; "

@@ -322,10 +322,12 @@ def load_checkpoint(
             pieces = _as_pieces(by_original, shardings, flat=True)
             pieces = _check_against(path, key + ".", pieces, saved, strict, f"optimizer {index}", False)
             dcp.load({key: pieces}, checkpoint_id=path)  # tensors in place (into by_original's), the rest into pieces
+            # a parameter whose state is not all there (strict=False) starts afresh: Adam needs every entry
+            partial = {_split_flat_key(k)[1] for k in by_original if k.startswith("state.") and k not in pieces}
             loaded = {}
             for k in local_optim:
                 original = rename_flat_key(k, names)
-                if original in pieces:
+                if original in pieces and _split_flat_key(original)[1] not in partial:
                     value = by_original[original]
                     loaded[k] = value if isinstance(value, Tensor) else pieces[original]
             set_flat_optimizer_state(model, optimizer, loaded)
