@@ -13,7 +13,9 @@ layout as Lightning's ``ModelParallelStrategy`` with ``save_distributed_checkpoi
 
 from __future__ import annotations
 
+import hashlib
 import os
+import pickle
 import shutil
 import uuid
 import warnings
@@ -221,7 +223,8 @@ def save_checkpoint(
     dist.barrier()
     tensors = {"state_dict": _as_pieces(_originals(checkpoint.pop("state_dict"), names), shardings)}
     for index, state in enumerate(checkpoint.pop("optimizer_states", [])):
-        tensors[f"optimizer_{index}"] = _as_pieces(_originals(state, names, flat=True), shardings, flat=True)
+        compact = _compact_groups(_originals(state, names, flat=True))
+        tensors[f"optimizer_{index}"] = _as_pieces(compact, shardings, flat=True)
     with _quiet_sharded_tensor():
         dcp.save(tensors, checkpoint_id=partial)
     if is_global_zero:
@@ -319,9 +322,12 @@ def load_checkpoint(
             key = f"optimizer_{index}"
             local_optim = optimizer_state_dict(model, optimizer)  # this model's names (a fresh state if unstepped)
             by_original = _originals(local_optim, names, flat=True)
+            hyper, known = _saved_hyperparameters(path, key, by_original, saved)
             pieces = _as_pieces(by_original, shardings, flat=True)
-            pieces = _check_against(path, key + ".", pieces, saved, strict, f"optimizer {index}", False)
-            dcp.load({key: pieces}, checkpoint_id=path)  # tensors in place (into by_original's), the rest into pieces
+            pieces = _check_against(path, key + ".", pieces, {**saved, **known}, strict, f"optimizer {index}", False)
+            request = {k: v for k, v in pieces.items() if k not in hyper}
+            dcp.load({key: request}, checkpoint_id=path)  # tensors in place (into by_original's), the rest here
+            pieces = {**pieces, **request, **{k: v for k, v in hyper.items() if k in pieces}}
             # a parameter whose state is not all there (strict=False) starts afresh: Adam needs every entry
             partial = {_split_flat_key(k)[1] for k in by_original if k.startswith("state.") and k not in pieces}
             loaded = {}
@@ -332,6 +338,53 @@ def load_checkpoint(
                     loaded[k] = value if isinstance(value, Tensor) else pieces[original]
             set_flat_optimizer_state(model, optimizer, loaded)
     return torch.load(path / METADATA_FILENAME, weights_only=weights_only)
+
+
+_GROUPS = "groups."
+
+
+def _compact_groups(flat: dict[str, Any]) -> dict[str, Any]:
+    """A flattened optimizer state with its per-parameter hyper-parameters (``param_groups.<fqn>.lr``, a dozen
+    small entries per parameter, each a separate DCP item) folded into one record per distinct set of values:
+    ``groups.<digest>`` = pickled ``{"params": [fqn, ...], "hps": {...}}``, keyed by a digest of the record: records
+    of several stages or ZeRO shares get distinct keys (a tied weight's copy may come first on two stages), equal
+    ones (data-parallel replicas, tp ranks) one key that DCP writes once."""
+    out = {k: v for k, v in flat.items() if not k.startswith("param_groups.")}
+    by_fqn: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        if key.startswith("param_groups."):
+            _, fqn, name = _split_flat_key(key)
+            by_fqn.setdefault(fqn, {})[name] = value
+    records: dict[str, dict[str, Any]] = {}
+    for fqn, hps in by_fqn.items():
+        records.setdefault(repr(sorted(hps.items())), {"params": [], "hps": hps})["params"].append(fqn)
+    for record in records.values():  # pickled: DCP would flatten a dict into one item per entry again
+        blob = pickle.dumps(record)
+        out[_GROUPS + hashlib.sha1(blob).hexdigest()[:16]] = blob  # equal records (replicas) share one key
+    return out
+
+
+def _saved_hyperparameters(
+    path: Path, key: str, local: Mapping[str, Any], saved: Mapping[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The saved values of ``local``'s ``param_groups.<fqn>.<name>`` keys, read from the group records of
+    :func:`_compact_groups` (every rank reads all records: one small collective load); and those keys as
+    metadata entries, so that the key check counts them present. Nothing for a checkpoint without records."""
+    prefix = f"{key}.{_GROUPS}"
+    record_keys = sorted(k[len(key) + 1 :] for k in saved if k.startswith(prefix))
+    if not record_keys:  # per-parameter keys (an earlier format) are read as they are
+        return {}, {}
+    records: dict[str, Any] = {k: 0 for k in record_keys}  # placeholders, replaced by the saved objects
+    dcp.load({key: records}, checkpoint_id=path)
+    unpickled = [pickle.loads(blob) for blob in records.values()]  # noqa: S301 (plain values we wrote)
+    lookup = {fqn: record["hps"] for record in unpickled for fqn in record["params"]}
+    hyper = {}
+    for k in local:
+        if k.startswith("param_groups."):
+            _, fqn, name = _split_flat_key(k)
+            if name in lookup.get(fqn, {}):
+                hyper[k] = lookup[fqn][name]
+    return hyper, {f"{key}.{k}": None for k in hyper}
 
 
 def set_flat_optimizer_state(model: nn.Module, optimizer: Optimizer, flat: Mapping[str, Any]) -> None:

@@ -33,7 +33,7 @@ _PREFIX = "state_dict."
 
 def hf_info(module: nn.Module) -> dict[str, Any] | None:
     """The first transformers model inside ``module``: ``{"prefix", "architecture", "config"}`` (None if none)."""
-    if "transformers" not in sys.modules:
+    if "transformers.modeling_utils" not in sys.modules:  # no transformers model can exist yet
         return None
     from transformers import PreTrainedModel
 
