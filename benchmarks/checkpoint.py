@@ -77,15 +77,7 @@ def _run(config: str, args: argparse.Namespace, workdir: str) -> None:
                 path += ".ckpt"
             dist.barrier()
             start = time.perf_counter()
-            if os.environ.get("CKPT_PROFILE") and trainer.global_rank == 0:
-                import cProfile
-                import pstats
-
-                profile = cProfile.Profile()
-                profile.runcall(trainer.save_checkpoint, path)
-                pstats.Stats(profile).sort_stats("cumulative").print_stats(25)
-            else:
-                trainer.save_checkpoint(path)
+            trainer.save_checkpoint(path)
             dist.barrier()
             save_s = time.perf_counter() - start
             start = time.perf_counter()
