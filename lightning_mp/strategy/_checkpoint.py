@@ -2,7 +2,10 @@
 
 Every rank holds its own stage's parameters under their original names (the engine never renames), so one DCP
 save writes each parameter once, from the rank that owns it (replicas on other data-parallel ranks are
-deduplicated by DCP's planner), and a load reads each rank's keys wherever they were saved from. A parameter with
+deduplicated by DCP's planner), and a load reads each rank's keys wherever they were saved from. A tensor-parallel
+shard is saved as its piece of the full tensor, and so is the optimizer state of the shard (see [Note: shards in
+checkpoints] in ``_shards.py``), so every layout reads its own slices: a checkpoint resumes at any (pp, tp, dp),
+with or without ZeRO-1. A folder becomes visible only once every rank wrote it (see [Note: checkpoint commit]). A parameter with
 several names (a tied weight, copied on several stages under ``tied_weights="replicate"``) is saved once, under its
 original FQN, and a load fills every name and copy from it (see [Note: replicated tied weights] in ``_tied.py``). A checkpoint
 is a folder: DCP's shards plus ``meta.pt`` with Lightning's non-tensor state (epoch, loops, callbacks), the same
