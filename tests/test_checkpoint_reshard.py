@@ -162,3 +162,26 @@ def test_resume_at_the_same_layout_is_exact(tmp_path):
         assert part["state"].keys() == whole["state"].keys()
         for key in whole["state"]:
             assert torch.equal(part["state"][key], whole["state"][key]), key
+
+
+def test_full_file_at_tp2_is_one_devices_file_and_resumes(tmp_path, gpt_reference):
+    """``save_distributed_checkpoint=False`` at tp=2: the shards (fused q/k/v, padded vocabulary) and their Adam
+    state are gathered into the file one device writes; tp=2 resumes from that file as the uninterrupted run goes on."""
+    _fit(_GPT, tmp_path / "ref", 1, ckpt_dir=tmp_path / "ck_ref")
+    _fit(_GPT, tmp_path / "tp2", 2, _strategy(1, 2, save_distributed_checkpoint=False), ckpt_dir=tmp_path / "ck")
+    got, expected = (torch.load(p / "last.ckpt", weights_only=False) for p in (tmp_path / "ck", tmp_path / "ck_ref"))
+    assert got["global_step"] == expected["global_step"] == STEPS
+    assert sorted(got["state_dict"]) == sorted(expected["state_dict"])
+    for key, value in expected["state_dict"].items():
+        torch.testing.assert_close(got["state_dict"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    (got_optim,), (expected_optim,) = got["optimizer_states"], expected["optimizer_states"]
+    assert got_optim["param_groups"] == expected_optim["param_groups"]
+    assert sorted(got_optim["state"]) == sorted(expected_optim["state"])
+    for index, state in expected_optim["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(got_optim["state"][index][key], value, rtol=1e-5, atol=1e-6, msg=f"{index}.{key}")
+    results = _fit(
+        _GPT, tmp_path / "resumed", 2, _strategy(1, 2, save_distributed_checkpoint=False), steps=2 * STEPS,
+        ckpt_path=tmp_path / "ck" / "last.ckpt",
+    )
+    _check(results, gpt_reference, "tp2 file -> tp2")

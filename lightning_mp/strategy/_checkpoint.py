@@ -43,7 +43,7 @@ from torch.optim import Optimizer
 from lightning_mp.nn._base import TPModule, local_state_dicts
 from lightning_mp.strategy._shards import full_shape, sharded_view
 from lightning_mp.strategy._tied import rename_flat_key
-from lightning_mp.tp._sharding import ShardSpec, shard_spec
+from lightning_mp.tp._sharding import ShardSpec, shard, shard_spec, unshard
 
 __all__ = [
     "CheckpointMismatchError",
@@ -533,6 +533,35 @@ def gather_sharded_optimizer_states(
     return [{key: value for part in parts for key, value in part[i].items()} for i in range(len(states))]
 
 
+def gather_tp_shards(state: dict[str, Any], model: nn.Module, flat: bool = False) -> dict[str, Any]:
+    """``state`` with every tensor-parallel shard (a parameter, or optimizer state of its shape; ``flat``:
+    optimizer keys) all-gathered over its tp group into the full tensor, as a full checkpoint file holds it.
+
+    Every rank of each tp group must call this with the same keys (the ranks of a tp group hold the same FQNs).
+    """
+    shardings = _shardings(model)
+    if not shardings:
+        return state
+    device = next(iter(model.parameters())).device
+    out = {}
+    for key in sorted(state):
+        value = state[key]
+        fqn = key
+        if flat:
+            section, _, rest = key.partition(".")
+            fqn = rest.rpartition(".")[0] if section == "state" else ""
+        sharding = shardings.get(fqn)
+        if sharding is not None and isinstance(value, Tensor) and value.dim() > sharding.spec.dim and (
+            value.size(sharding.spec.dim) == sharding.spec.local_size(sharding.size)
+        ):
+            local = value.detach().to(device).contiguous()
+            pieces = [torch.empty_like(local) for _ in range(sharding.size)]
+            dist.all_gather(pieces, local, group=sharding.group)
+            value = unshard(pieces, sharding.spec).to(value.device)
+        out[key] = value
+    return out
+
+
 def save_full_checkpoint(
     checkpoint: dict[str, Any], path: Path, model: nn.Module, optimizers: list[Optimizer], param_order: list[str],
     group: dist.ProcessGroup, checkpoint_io: Any | None, names: Mapping[str, str] | None = None,
@@ -603,6 +632,7 @@ def _load_native_optimizer_state(
         )
     id_of = {fqn: pid for group, fqns in zip(saved_groups, fqn_groups) for pid, fqn in zip(group["params"], fqns)}
     names = {id(p): originals.get(fqn, fqn) for fqn, p in model.named_parameters()}
+    shardings = {id(p): _shardings(model).get(fqn) for fqn, p in model.named_parameters()}
     local: dict[str, Any] = {"state": {}, "param_groups": []}
     next_index = 0
     for group, saved_group in zip(optimizer.param_groups, saved_groups):
@@ -610,7 +640,7 @@ def _load_native_optimizer_state(
         for p in group["params"]:
             saved_id = id_of[names[id(p)]]
             if saved_id in native["state"]:
-                local["state"][next_index] = native["state"][saved_id]
+                local["state"][next_index] = _own_slices(native["state"][saved_id], p, shardings.get(id(p)))
             indices.append(next_index)
             next_index += 1
         local["param_groups"].append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": indices})
@@ -668,3 +698,18 @@ def load_weights(path: str | Path, model: nn.Module, names: Mapping[str, str], *
     with torch.no_grad():
         model.load_state_dict({k: saved[k] for k in local if k in saved}, strict=False)
     rank_zero_info(f"lightning_mp: initial weights loaded from {path}")
+
+
+def _own_slices(param_state: dict[str, Any], param: Tensor, sharding: _Sharding | None) -> dict[str, Any]:
+    """A full file's optimizer state of one parameter, each full-shape tensor cut to this rank's tp shard."""
+    if sharding is None:
+        return param_state
+    spec = sharding.spec
+    out = {}
+    for name, value in param_state.items():
+        if isinstance(value, Tensor) and value.shape != param.shape and value.dim() > spec.dim and (
+            value.size(spec.dim) == spec.full_size
+        ):
+            value = shard(value, spec, sharding.rank, sharding.size)
+        out[name] = value
+    return out

@@ -118,8 +118,8 @@ class SMPStrategy(ParallelStrategy):
         start_method: ``"popen"`` (re-run the script per rank, like ``ddp``) or ``"spawn"``/``"fork"``.
         save_distributed_checkpoint: as in Lightning's ``ModelParallelStrategy``: ``True`` writes a folder of DCP
             shards per checkpoint (every rank writes its own part; resumable at any layout); ``False`` writes one
-            full Lightning checkpoint file from global rank 0, which ``Model.load_from_checkpoint`` and any other
-            strategy read. Either kind resumes an ``smp`` run, as does a plain Lightning checkpoint file.
+            full Lightning checkpoint file from global rank 0 (tp shards gathered into full tensors), which
+            ``Model.load_from_checkpoint`` and any other strategy read. Either kind resumes an ``smp`` run, as does a plain Lightning checkpoint file.
         load_weights: initial weights for the model, read at setup after partitioning, each rank keeping its own
             stage's tensors and its tp slice of them: a plain state dict (``.pt``, ``.bin``, ``.safetensors``), a
             Lightning checkpoint file, a lightning_mp checkpoint folder, or a Hugging Face folder (keys of the
@@ -459,8 +459,6 @@ class SMPStrategy(ParallelStrategy):
                 "The 'smp' strategy runs backward inside the pipeline, so manual optimization"
                 " (`self.automatic_optimization = False`) is not supported. Use automatic optimization."
             )
-        if not self._save_distributed_checkpoint and self.config.tensor_parallel_degree > 1:
-            raise ValueError(_FULL_FILE_AT_TP.format(what="save_distributed_checkpoint=False"))
         if self.config.trace_execution_times and is_delayed(module):
             raise ValueError(
                 "trace_execution_times=True cannot time a model built under delayed parameter initialisation (it is"
@@ -792,6 +790,12 @@ class SMPStrategy(ParallelStrategy):
             )
             if merged is not None:
                 checkpoint["optimizer_states"] = merged
+        if self.topology.dp_rank == 0 and self.topology.tensor_parallel_degree > 1:  # tp shards -> full tensors
+            checkpoint["state_dict"] = _checkpoint.gather_tp_shards(checkpoint["state_dict"], self.model)
+            checkpoint["optimizer_states"] = [
+                _checkpoint.gather_tp_shards(state, self.model, flat=True)
+                for state in checkpoint.get("optimizer_states", [])
+            ]
         if self.topology.dp_rank == 0 and self.topology.tp_rank == 0:  # replica 0's stages hold the whole model
             assert self._param_order is not None
             _checkpoint.save_full_checkpoint(
@@ -816,8 +820,6 @@ class SMPStrategy(ParallelStrategy):
         local = [local_optimizer(o) for o in optimizers]
         if path.is_file():  # one full file: a plain Lightning checkpoint, or save_distributed_checkpoint=False
             assert self._param_order is not None
-            if self.topology.tensor_parallel_degree > 1:
-                raise ValueError(_FULL_FILE_AT_TP.format(what=f"load {path} (one full checkpoint file)"))
             checkpoint = _checkpoint.load_full_checkpoint(
                 path, self.model, optimizers, self._param_order, self.device_mesh.get_group(MeshAxis.PP.value),
                 strict=self.lightning_module.strict_loading, weights_only=weights_only, local_optimizers=local,
@@ -864,13 +866,6 @@ class SMPStrategy(ParallelStrategy):
 # ``n / sum(n)``: one process's maths on the batch. A microbatch with ``n == 0`` runs no backward. Without
 # ``num_tokens`` the loss is the mean of the microbatch losses. Data-parallel replicas then average their
 # gradients as under ``ddp`` (each replica's batch is normalised by its own count).
-
-
-_FULL_FILE_AT_TP = (
-    "{what} is not supported with tensor_parallel_degree > 1 yet: a full file holds every parameter whole under its"
-    " one-device name, and tensor-parallel shards are not gathered into whole tensors (nor split back) yet. Use"
-    " save_distributed_checkpoint=True (DCP folders, which resume at any layout), or tensor_parallel_degree=1."
-)
 
 
 def _steps_optimizer(trainer: pl.Trainer) -> bool:
