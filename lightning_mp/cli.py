@@ -4,6 +4,7 @@ Usage::
 
     lightning-mp fit --config configs/gpt_pp2.yaml
     lightning-mp fit --config configs/gpt_single.yaml --trainer.max_steps 100
+    lightning-mp consolidate lightning_logs/version_0/checkpoints/last model.safetensors [--hf]
 
 Any LightningModule/DataModule reachable by import path can be named in the config (``class_path``);
 ``--trainer.strategy smp`` or ``strategy: {class_path: lightning_mp.SMPStrategy, init_args: {...}}`` selects
@@ -23,7 +24,14 @@ import lightning_mp  # registers "smp"
 
 
 def main(args: list[str] | None = None) -> None:
-    """Run LightningCLI over any LightningModule/DataModule subclasses named in the config or arguments."""
+    """Run LightningCLI over any LightningModule/DataModule subclasses named in the config or arguments;
+    ``lightning-mp consolidate CKPT_DIR OUT [--hf]`` writes a checkpoint folder as one plain state dict."""
+    argv = sys.argv[1:] if args is None else args
+    if argv and argv[0] == "consolidate":
+        from lightning_mp.strategy._consolidate import main as consolidate_main
+
+        consolidate_main(argv[1:])
+        return
     cwd = os.getcwd()
     if cwd not in sys.path:
         # `examples.*` and user modules in the working directory resolve (absolute path: jsonargparse changes

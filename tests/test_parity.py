@@ -322,14 +322,6 @@ def test_full_checkpoint_file_gathers_sharded_optimizer_state(tmp_path, lm_refer
             torch.testing.assert_close(value, reference["params"][name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_full_checkpoint_file_at_tp2_is_refused_at_setup():
-    torch.set_num_threads(1)  # before forking (a forked child can hang in OpenMP otherwise)
-    strategy = lightning_mp.SMPStrategy(tensor_parallel_degree=2, start_method="fork", save_distributed_checkpoint=False)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False)
-    with pytest.raises(Exception, match=r"save_distributed_checkpoint=False is not supported with tensor_parallel_degree > 1"):
-        trainer.fit(AdamLM())
-
-
 def test_plain_lightning_checkpoint_resumes_under_smp_pp2(tmp_path, lm_reference):
     """A one-device Lightning checkpoint (weights, Adam state, loops) resumes an smp pp=2 run, as on one device."""
     reference = lm_reference["resumed"]

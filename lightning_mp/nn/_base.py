@@ -9,6 +9,9 @@ swap loads the original module's weights: ``dist_module.load_state_dict(original
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -17,7 +20,21 @@ from torch import nn
 
 from lightning_mp.tp._sharding import TPGroup, shard, shard_spec, unshard
 
-__all__ = ["TPModule", "sharded_parameter_ranks"]
+__all__ = ["TPModule", "local_state_dicts", "sharded_parameter_ranks"]
+
+_LOCAL = threading.local()
+
+
+@contextlib.contextmanager
+def local_state_dicts() -> Iterator[None]:
+    """Inside, ``state_dict`` of a distributed module holds this rank's shards as they are (no all-gather, no
+    collective): for checkpoints that store every rank's piece of the full tensor (``strategy/_shards.py``)."""
+    previous = getattr(_LOCAL, "on", False)
+    _LOCAL.on = True
+    try:
+        yield
+    finally:
+        _LOCAL.on = previous
 
 
 class TPModule(nn.Module):
@@ -51,6 +68,8 @@ class TPModule(nn.Module):
 
 
 def _gather_full(module: TPModule, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    if getattr(_LOCAL, "on", False):
+        return
     for name, param in module.named_parameters(recurse=False):
         spec = shard_spec(param)
         key = prefix + name

@@ -2,7 +2,10 @@
 
 Every rank holds its own stage's parameters under their original names (the engine never renames), so one DCP
 save writes each parameter once, from the rank that owns it (replicas on other data-parallel ranks are
-deduplicated by DCP's planner), and a load reads each rank's keys wherever they were saved from. A parameter with
+deduplicated by DCP's planner), and a load reads each rank's keys wherever they were saved from. A tensor-parallel
+shard is saved as its piece of the full tensor, and so is the optimizer state of the shard (see [Note: shards in
+checkpoints] in ``_shards.py``), so every layout reads its own slices: a checkpoint resumes at any (pp, tp, dp),
+with or without ZeRO-1. A folder becomes visible only once every rank wrote it (see [Note: checkpoint commit]). A parameter with
 several names (a tied weight, copied on several stages under ``tied_weights="replicate"``) is saved once, under its
 original FQN, and a load fills every name and copy from it (see [Note: replicated tied weights] in ``_tied.py``). A checkpoint
 is a folder: DCP's shards plus ``meta.pt`` with Lightning's non-tensor state (epoch, loops, callbacks), the same
@@ -13,37 +16,49 @@ layout as Lightning's ``ModelParallelStrategy`` with ``save_distributed_checkpoi
 
 from __future__ import annotations
 
+import hashlib
+import os
+import pickle
 import shutil
-from collections.abc import Mapping
+import uuid
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import nn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_optimizer_state_dict,
-    set_optimizer_state_dict,
 )
 from torch.optim import Optimizer
 
-from lightning_mp.nn._base import sharded_parameter_ranks
+from lightning_mp.nn._base import TPModule, local_state_dicts
+from lightning_mp.strategy._shards import full_shape, sharded_view
 from lightning_mp.strategy._tied import rename_flat_key
+from lightning_mp.tp._sharding import ShardSpec, shard, shard_spec, unshard
 
 __all__ = [
+    "CheckpointMismatchError",
     "consolidate_checkpoint",
+    "is_complete_checkpoint",
     "full_param_groups",
     "gather_sharded_optimizer_states",
     "load_checkpoint",
     "load_full_checkpoint",
+    "load_weights",
     "model_state_dict",
     "name_checkpoint_folders",
     "optimizer_state_dict",
     "param_groups_by_fqn",
+    "remove_checkpoint",
     "save_checkpoint",
     "save_full_checkpoint",
 ]
@@ -52,8 +67,11 @@ METADATA_FILENAME = "meta.pt"
 
 
 def model_state_dict(model: nn.Module) -> dict[str, Any]:
-    """This rank's parameters and buffers, under their original FQNs."""
-    return get_model_state_dict(model, options=StateDictOptions(cpu_offload=True))
+    """This rank's parameters and buffers under their original FQNs; a tensor-parallel parameter as this rank's
+    shard (no collective; ``save_checkpoint`` records where the shard lies in the full tensor)."""
+    with local_state_dicts():
+        state = model.state_dict(keep_vars=True)
+    return {key: value.detach() if isinstance(value, Tensor) else value for key, value in state.items()}
 
 
 # Flattened: one key per (parameter FQN, state or hyper-parameter), e.g. "state.h.0.attn.weight.momentum_buffer"
@@ -63,24 +81,61 @@ _OPTIM_OPTIONS = StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict
 
 
 def optimizer_state_dict(model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-    """This rank's optimizer state, keyed by parameter FQN (not by index, so it survives a new layout).
+    """This rank's optimizer state, keyed by parameter FQN (not by index, so it survives a new layout); the state
+    of a tensor-parallel shard is the shard's (``save_checkpoint`` records where it lies in the full tensor)."""
+    with local_state_dicts():
+        return get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS)
 
-    The state of a tensor-parallel shard gets the suffix ``@tp<rank>``: its value differs between the ranks of a
-    tp group, and DCP would otherwise keep one rank's copy of the shared key.
-    """
-    state = get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS)
-    ranks = sharded_parameter_ranks(model)
-    if not ranks:
+
+@dataclass(frozen=True)
+class _Sharding:
+    spec: ShardSpec
+    rank: int
+    size: int
+    group: dist.ProcessGroup | None
+
+
+def _shardings(model: nn.Module) -> dict[str, _Sharding]:
+    """``{parameter FQN (every name): how it is sharded}`` for this rank's tensor-parallel parameters."""
+    found = {}
+    for mod_fqn, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, TPModule) and module.tp.size > 1:
+            for name, param in module.named_parameters(recurse=False):
+                spec = shard_spec(param)
+                if spec is not None:
+                    found[f"{mod_fqn}.{name}" if mod_fqn else name] = _Sharding(
+                        spec, module.tp.rank, module.tp.size, module.tp.group
+                    )
+    return found
+
+
+def _as_pieces(state: dict[str, Any], shardings: Mapping[str, _Sharding], flat: bool = False) -> dict[str, Any]:
+    """``state`` with each tp shard (a parameter, or optimizer state of its shape) as a view of its piece of the
+    full tensor (see [Note: shards in checkpoints] in ``_shards.py``); ``flat``: optimizer keys."""
+    if not shardings:
         return state
-    return {_tp_key(key, ranks): value for key, value in state.items()}
+    out = {}
+    for key, value in state.items():
+        fqn = key
+        if flat:
+            section, _, rest = key.partition(".")
+            fqn = rest.rpartition(".")[0] if section == "state" else ""
+        sharding = shardings.get(fqn)
+        if sharding is not None and isinstance(value, Tensor) and value.dim() > sharding.spec.dim and (
+            value.size(sharding.spec.dim) == sharding.spec.local_size(sharding.size)
+        ):
+            value = sharded_view(value, sharding.spec, sharding.rank, sharding.size, sharding.group)
+        out[key] = value
+    return out
 
 
-def _tp_key(key: str, ranks: dict[str, int]) -> str:
-    if key.startswith("state."):
-        fqn = key[len("state.") :].rpartition(".")[0]
-        if fqn in ranks:
-            return f"{key}@tp{ranks[fqn]}"
-    return key
+@contextmanager
+def _quiet_sharded_tensor() -> Iterator[None]:
+    """DCP warns that ShardedTensor is deprecated on every access; it is still the one type that describes a
+    piece made of several chunks (see [Note: shards in checkpoints])."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
+        yield
 
 
 def name_checkpoint_folders(callbacks: list[Any]) -> None:
@@ -110,27 +165,131 @@ def _originals(state: dict[str, Any], names: Mapping[str, str], flat: bool = Fal
     return renamed
 
 
+PARTIAL_SUFFIX = ".partial"
+
+
+def _partial_path(path: Path) -> Path:
+    """Where a checkpoint is written before it is committed under ``path`` (hidden, so no glob takes it)."""
+    return path.parent / f".{path.name}{PARTIAL_SUFFIX}"
+
+
+def is_complete_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a committed checkpoint folder: DCP's ``.metadata`` (written by the coordinator after
+    every rank's shards) and ``meta.pt`` (written after that), under a name that is not a temporary one."""
+    return (
+        path.is_dir()
+        and not path.name.endswith(PARTIAL_SUFFIX)
+        and (path / METADATA_FILENAME).is_file()
+        and (path / ".metadata").is_file()
+    )
+
+
+def _remove(path: Path) -> None:
+    """Remove a file or folder so that its name is gone at once (renamed first, then deleted)."""
+    if path.is_dir() and not path.is_symlink():
+        trash = path.parent / f".{path.name}.removing-{uuid.uuid4().hex[:8]}"
+        os.rename(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint (``save_top_k`` rotation) on one rank: its name disappears in one rename, so no rank
+    or later resume sees a half-deleted folder."""
+    _remove(path)
+
+
 def save_checkpoint(
-    checkpoint: dict[str, Any], path: Path, is_global_zero: bool, names: Mapping[str, str] | None = None
+    checkpoint: dict[str, Any], path: Path, is_global_zero: bool, names: Mapping[str, str] | None = None,
+    model: nn.Module | None = None,
 ) -> None:
     """Write ``checkpoint`` (Lightning's dict) as a DCP folder. Every rank must call this.
 
-    An existing file or folder at ``path`` is replaced (shards of an earlier layout would otherwise stay).
+    [Note: checkpoint commit] Every rank writes into ``.<name>.partial`` next to ``path``; once DCP's
+    coordinator has written ``.metadata`` (after every rank's shards were written) global rank 0 writes
+    ``meta.pt`` and renames the folder to ``path`` (an earlier checkpoint there is first renamed away, then
+    deleted), and every rank waits for that. A save that dies half-way (a rank killed) leaves the partial folder
+    and the previous checkpoint at ``path`` intact; a folder without both marker files is never loaded.
+
     ``names``: other names of shared parameters -> original FQN; each is saved once, under the original.
+    ``model``: this rank's model, whose tensor-parallel shards are saved as pieces of their full tensors
+    (see [Note: shards in checkpoints] in ``_shards.py``).
     """
     names = names or {}
-    if is_global_zero and path.is_file():
-        path.unlink()
-    elif is_global_zero and path.is_dir():
-        shutil.rmtree(path)
-    dist.barrier()
-    path.mkdir(parents=True, exist_ok=True)
-    tensors = {"state_dict": _originals(checkpoint.pop("state_dict"), names)}
-    for index, state in enumerate(checkpoint.pop("optimizer_states", [])):
-        tensors[f"optimizer_{index}"] = _originals(state, names, flat=True)
-    dcp.save(tensors, checkpoint_id=path)
+    shardings = _shardings(model) if model is not None else {}
+    partial = _partial_path(path)
     if is_global_zero:
-        torch.save(checkpoint, path / METADATA_FILENAME)
+        if partial.exists():  # left by a save that died
+            _remove(partial)
+        partial.parent.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    tensors = {"state_dict": _as_pieces(_originals(checkpoint.pop("state_dict"), names), shardings)}
+    for index, state in enumerate(checkpoint.pop("optimizer_states", [])):
+        compact = _compact_groups(_originals(state, names, flat=True))
+        tensors[f"optimizer_{index}"] = _as_pieces(compact, shardings, flat=True)
+    with _quiet_sharded_tensor():
+        dcp.save(tensors, checkpoint_id=partial)
+    if is_global_zero:
+        torch.save(checkpoint, partial / METADATA_FILENAME)
+        if path.exists() or path.is_symlink():
+            _remove(path)
+        os.rename(partial, path)
+    dist.barrier()
+
+
+class CheckpointMismatchError(RuntimeError):
+    """A checkpoint does not fit the model: missing or unexpected keys, or other shapes (``strict`` loading)."""
+
+
+def _check_against(
+    path: Path, prefix: str, request: dict[str, Any], saved: Mapping[str, Any], strict: bool, what: str,
+    report_unexpected: bool,
+) -> dict[str, Any]:
+    """``request`` without the keys the checkpoint lacks or holds in another shape; with ``strict``, an error
+    naming them instead (every rank raises the same one: the lists are gathered over the world)."""
+    mine = {}
+    for key, value in request.items():
+        if isinstance(value, Tensor):
+            mine[key] = tuple(value.size())
+        else:
+            mine[key] = None
+    missing = sorted(k for k in mine if prefix + k not in saved)
+    mismatched = []
+    for key, shape in mine.items():
+        md = saved.get(prefix + key)
+        if shape is not None and isinstance(md, TensorStorageMetadata) and tuple(md.size) != shape:
+            mismatched.append((key, tuple(md.size), shape))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (sorted(mine), missing, mismatched))
+    requested = {k for keys, _, _ in everyone for k in keys}
+    all_missing = sorted({k for _, m, _ in everyone for k in m})
+    all_mismatched = sorted({t for _, _, mm in everyone for t in mm})
+    unexpected = (
+        sorted(k[len(prefix) :] for k in saved if k.startswith(prefix) and k[len(prefix) :] not in requested)
+        if report_unexpected
+        else []
+    )
+    if all_missing or all_mismatched or unexpected:
+        lines = []
+        if all_missing:
+            lines.append(f"missing keys ({len(all_missing)}): {all_missing[:10]}")
+        if unexpected:
+            lines.append(f"unexpected keys ({len(unexpected)}): {unexpected[:10]}")
+        if all_mismatched:
+            lines.append(
+                "shape mismatches (key, saved, this model): "
+                + ", ".join(f"{k}: {tuple(a)} vs {tuple(b)}" for k, a, b in all_mismatched[:10])
+            )
+        message = f"The checkpoint {path} does not fit this model's {what}: " + "; ".join(lines) + "."
+        if strict:
+            raise CheckpointMismatchError(
+                message + " Pass a checkpoint of this model, or set `strict_loading = False` on the LightningModule"
+                " to load only the matching entries."
+            )
+        rank_zero_warn(message + " Loading only the matching entries (strict_loading=False).")
+    drop = set(missing) | {k for k, _, _ in mismatched}
+    return {k: v for k, v in request.items() if k not in drop}
 
 
 def load_checkpoint(
@@ -139,29 +298,127 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load a folder written by :func:`save_checkpoint` into ``model`` and ``optimizers``; return the rest.
 
+    Any layout reads any other's checkpoint: every rank asks DCP for its own keys in its own pieces (pipeline
+    stages: its parameters; tp shards: its slice of the full tensor; ZeRO: its share of the optimizer state).
+    Parameters are loaded in place.
+
     Raises:
-        FileNotFoundError: if ``path`` is not such a folder.
+        FileNotFoundError: if ``path`` is not a complete checkpoint folder (see [Note: checkpoint commit]).
+        CheckpointMismatchError: with ``strict``, if the checkpoint lacks a key of this model, holds keys this
+            model does not have, or holds a tensor in another shape; each is listed.
     """
-    if not (path / METADATA_FILENAME).is_file():
+    if not is_complete_checkpoint(path):
         raise FileNotFoundError(
-            f"{path} is neither a lightning_mp checkpoint folder (with {METADATA_FILENAME}) nor a checkpoint file."
-            " Pass the path of a folder written with save_distributed_checkpoint=True or of a Lightning .ckpt file."
+            f"{path} is neither a complete lightning_mp checkpoint folder (with {METADATA_FILENAME} and DCP's"
+            " .metadata) nor a checkpoint file. Pass the path of a folder written with"
+            " save_distributed_checkpoint=True (a save that died half-way leaves only a hidden '.<name>.partial'"
+            " folder) or of a Lightning .ckpt file."
         )
     names = names or {}
-    local = model_state_dict(model)
-    state = {"state_dict": _originals(local, names)}
-    dcp.load(state, checkpoint_id=path)
-    model.load_state_dict({k: state["state_dict"][names.get(k, k)] for k in local}, strict=strict)
-    for index, optimizer in enumerate(optimizers):
-        key = f"optimizer_{index}"
-        local_optim = optimizer_state_dict(model, optimizer)
-        optim_state = {key: _originals(local_optim, names, flat=True)}
-        dcp.load(optim_state, checkpoint_id=path)
-        loaded = {  # see optimizer_state_dict for the @tp suffix
-            k.partition("@tp")[0]: optim_state[key][rename_flat_key(k, names)] for k in local_optim
-        }
-        set_optimizer_state_dict(model, optimizer, optim_state_dict=loaded, options=_OPTIM_OPTIONS)
+    shardings = _shardings(model)
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    with _quiet_sharded_tensor():
+        request = _as_pieces(_originals(model_state_dict(model), names), shardings)
+        request = _check_against(path, "state_dict.", request, saved, strict, "parameters and buffers", True)
+        dcp.load({"state_dict": request}, checkpoint_id=path)  # in place, into the parameters and buffers
+        for index, optimizer in enumerate(optimizers):
+            key = f"optimizer_{index}"
+            local_optim = optimizer_state_dict(model, optimizer)  # this model's names (a fresh state if unstepped)
+            by_original = _originals(local_optim, names, flat=True)
+            hyper, known = _saved_hyperparameters(path, key, by_original, saved)
+            pieces = _as_pieces(by_original, shardings, flat=True)
+            pieces = _check_against(path, key + ".", pieces, {**saved, **known}, strict, f"optimizer {index}", False)
+            request = {k: v for k, v in pieces.items() if k not in hyper}
+            dcp.load({key: request}, checkpoint_id=path)  # tensors in place (into by_original's), the rest here
+            pieces = {**pieces, **request, **{k: v for k, v in hyper.items() if k in pieces}}
+            # a parameter whose state is not all there (strict=False) starts afresh: Adam needs every entry
+            partial = {_split_flat_key(k)[1] for k in by_original if k.startswith("state.") and k not in pieces}
+            loaded = {}
+            for k in local_optim:
+                original = rename_flat_key(k, names)
+                if original in pieces and _split_flat_key(original)[1] not in partial:
+                    value = by_original[original]
+                    loaded[k] = value if isinstance(value, Tensor) else pieces[original]
+            set_flat_optimizer_state(model, optimizer, loaded)
     return torch.load(path / METADATA_FILENAME, weights_only=weights_only)
+
+
+_GROUPS = "groups."
+
+
+def _compact_groups(flat: dict[str, Any]) -> dict[str, Any]:
+    """A flattened optimizer state with its per-parameter hyper-parameters (``param_groups.<fqn>.lr``, a dozen
+    small entries per parameter, each a separate DCP item) folded into one record per distinct set of values:
+    ``groups.<digest>`` = pickled ``{"params": [fqn, ...], "hps": {...}}``, keyed by a digest of the record: records
+    of several stages or ZeRO shares get distinct keys (a tied weight's copy may come first on two stages), equal
+    ones (data-parallel replicas, tp ranks) one key that DCP writes once."""
+    out = {k: v for k, v in flat.items() if not k.startswith("param_groups.")}
+    by_fqn: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        if key.startswith("param_groups."):
+            _, fqn, name = _split_flat_key(key)
+            by_fqn.setdefault(fqn, {})[name] = value
+    records: dict[str, dict[str, Any]] = {}
+    for fqn, hps in by_fqn.items():
+        records.setdefault(repr(sorted(hps.items())), {"params": [], "hps": hps})["params"].append(fqn)
+    for record in records.values():  # pickled: DCP would flatten a dict into one item per entry again
+        blob = pickle.dumps(record)
+        out[_GROUPS + hashlib.sha1(blob).hexdigest()[:16]] = blob  # equal records (replicas) share one key
+    return out
+
+
+def _saved_hyperparameters(
+    path: Path, key: str, local: Mapping[str, Any], saved: Mapping[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The saved values of ``local``'s ``param_groups.<fqn>.<name>`` keys, read from the group records of
+    :func:`_compact_groups` (every rank reads all records: one small collective load); and those keys as
+    metadata entries, so that the key check counts them present. Nothing for a checkpoint without records."""
+    prefix = f"{key}.{_GROUPS}"
+    record_keys = sorted(k[len(key) + 1 :] for k in saved if k.startswith(prefix))
+    if not record_keys:  # per-parameter keys (an earlier format) are read as they are
+        return {}, {}
+    records: dict[str, Any] = {k: 0 for k in record_keys}  # placeholders, replaced by the saved objects
+    dcp.load({key: records}, checkpoint_id=path)
+    unpickled = [pickle.loads(blob) for blob in records.values()]  # noqa: S301 (plain values we wrote)
+    lookup = {fqn: record["hps"] for record in unpickled for fqn in record["params"]}
+    hyper = {}
+    for k in local:
+        if k.startswith("param_groups."):
+            _, fqn, name = _split_flat_key(k)
+            if name in lookup.get(fqn, {}):
+                hyper[k] = lookup[fqn][name]
+    return hyper, {f"{key}.{k}": None for k in hyper}
+
+
+def set_flat_optimizer_state(model: nn.Module, optimizer: Optimizer, flat: Mapping[str, Any]) -> None:
+    """Load a flattened, FQN-keyed optimizer state (as :func:`optimizer_state_dict` gives) into ``optimizer``.
+
+    ``set_optimizer_state_dict`` of torch does the same but fails with an ``IndexError`` when a param group is
+    empty (a pipeline stage that holds none of a group's parameters, e.g. no weight-decayed ones); here an empty
+    group keeps its hyper-parameters. Keys of this optimizer's parameters absent from ``flat`` leave their state
+    empty (it is created at the first step).
+    """
+    state: dict[str, dict[str, Any]] = {}
+    hyper: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        section, fqn, name = _split_flat_key(key)
+        (state if section == "state" else hyper).setdefault(fqn, {})[name] = value
+    fqn_of = {id(p): fqn for fqn, p in model.named_parameters()}
+    native: dict[str, Any] = {"state": {}, "param_groups": []}
+    index = 0
+    for group in optimizer.param_groups:
+        ids = []
+        for p in group["params"]:
+            fqn = fqn_of[id(p)]
+            if fqn in state:
+                native["state"][index] = state[fqn]
+            ids.append(index)
+            index += 1
+        first = fqn_of[id(group["params"][0])] if group["params"] else None
+        hps = hyper.get(first, {}) if first is not None else {}
+        kept = {k: v for k, v in group.items() if k != "params"}
+        native["param_groups"].append({**kept, **hps, "params": ids})
+    optimizer.load_state_dict(native)
 
 
 # ---- one full Lightning checkpoint file (save_distributed_checkpoint=False, and plain checkpoints) ------------
@@ -276,6 +533,35 @@ def gather_sharded_optimizer_states(
     return [{key: value for part in parts for key, value in part[i].items()} for i in range(len(states))]
 
 
+def gather_tp_shards(state: dict[str, Any], model: nn.Module, flat: bool = False) -> dict[str, Any]:
+    """``state`` with every tensor-parallel shard (a parameter, or optimizer state of its shape; ``flat``:
+    optimizer keys) all-gathered over its tp group into the full tensor, as a full checkpoint file holds it.
+
+    Every rank of each tp group must call this with the same keys (the ranks of a tp group hold the same FQNs).
+    """
+    shardings = _shardings(model)
+    if not shardings:
+        return state
+    device = next(iter(model.parameters())).device
+    out = {}
+    for key in sorted(state):
+        value = state[key]
+        fqn = key
+        if flat:
+            section, _, rest = key.partition(".")
+            fqn = rest.rpartition(".")[0] if section == "state" else ""
+        sharding = shardings.get(fqn)
+        if sharding is not None and isinstance(value, Tensor) and value.dim() > sharding.spec.dim and (
+            value.size(sharding.spec.dim) == sharding.spec.local_size(sharding.size)
+        ):
+            local = value.detach().to(device).contiguous()
+            pieces = [torch.empty_like(local) for _ in range(sharding.size)]
+            dist.all_gather(pieces, local, group=sharding.group)
+            value = unshard(pieces, sharding.spec).to(value.device)
+        out[key] = value
+    return out
+
+
 def save_full_checkpoint(
     checkpoint: dict[str, Any], path: Path, model: nn.Module, optimizers: list[Optimizer], param_order: list[str],
     group: dist.ProcessGroup, checkpoint_io: Any | None, names: Mapping[str, str] | None = None,
@@ -346,6 +632,7 @@ def _load_native_optimizer_state(
         )
     id_of = {fqn: pid for group, fqns in zip(saved_groups, fqn_groups) for pid, fqn in zip(group["params"], fqns)}
     names = {id(p): originals.get(fqn, fqn) for fqn, p in model.named_parameters()}
+    shardings = {id(p): _shardings(model).get(fqn) for fqn, p in model.named_parameters()}
     local: dict[str, Any] = {"state": {}, "param_groups": []}
     next_index = 0
     for group, saved_group in zip(optimizer.param_groups, saved_groups):
@@ -353,8 +640,76 @@ def _load_native_optimizer_state(
         for p in group["params"]:
             saved_id = id_of[names[id(p)]]
             if saved_id in native["state"]:
-                local["state"][next_index] = native["state"][saved_id]
+                local["state"][next_index] = _own_slices(native["state"][saved_id], p, shardings.get(id(p)))
             indices.append(next_index)
             next_index += 1
         local["param_groups"].append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": indices})
     optimizer.load_state_dict(local)
+
+
+def load_weights(path: str | Path, model: nn.Module, names: Mapping[str, str], *, strict: bool) -> None:
+    """Initialise this rank's part of ``model`` from whole weights at ``path`` (see ``SMPStrategy(load_weights=)``):
+    each tensor-parallel parameter keeps its slice of the full tensor (the distributed modules' load hook).
+
+    Raises:
+        CheckpointMismatchError: with ``strict``, if ``path`` lacks a parameter or buffer of this stage; the same
+            error on every rank (the lists are gathered).
+    """
+    from lightning_mp.strategy._consolidate import hf_info, read_weights
+
+    info = hf_info(model)
+    saved = read_weights(path, info["prefix"] if info else "")
+    for other, original in names.items():  # a shared parameter under either of its names
+        if other not in saved and original in saved:
+            saved[other] = saved[original]
+        elif original not in saved and other in saved:
+            saved[original] = saved[other]
+    local = model_state_dict(model)
+    shardings = _shardings(model)
+    missing = sorted(k for k in local if k not in saved)
+    mismatched = []
+    for key, value in local.items():
+        if key in saved and isinstance(value, Tensor):
+            expected = full_shape(value.shape, shardings[key].spec) if key in shardings else value.shape
+            if tuple(saved[key].shape) != tuple(expected):
+                mismatched.append((key, tuple(saved[key].shape), tuple(expected)))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (missing, mismatched))
+    all_missing = sorted({k for m, _ in everyone for k in m})
+    all_mismatched = sorted({t for _, mm in everyone for t in mm})
+    if all_missing or all_mismatched:
+        message = f"The weights at {path} do not fit this model: " + "; ".join(
+            part
+            for part in (
+                f"missing keys ({len(all_missing)}): {all_missing[:10]}" if all_missing else "",
+                "shape mismatches (key, saved, this model): "
+                + ", ".join(f"{k}: {a} vs {b}" for k, a, b in all_mismatched[:10])
+                if all_mismatched
+                else "",
+            )
+            if part
+        )
+        if all_mismatched or strict:
+            raise CheckpointMismatchError(
+                message + ". Pass weights of this model (original module FQNs and full shapes), or set"
+                " `strict_loading = False` on the LightningModule to skip missing keys."
+            )
+        rank_zero_warn(message + "; they keep their initial values (strict_loading=False).")
+    with torch.no_grad():
+        model.load_state_dict({k: saved[k] for k in local if k in saved}, strict=False)
+    rank_zero_info(f"lightning_mp: initial weights loaded from {path}")
+
+
+def _own_slices(param_state: dict[str, Any], param: Tensor, sharding: _Sharding | None) -> dict[str, Any]:
+    """A full file's optimizer state of one parameter, each full-shape tensor cut to this rank's tp shard."""
+    if sharding is None:
+        return param_state
+    spec = sharding.spec
+    out = {}
+    for name, value in param_state.items():
+        if isinstance(value, Tensor) and value.shape != param.shape and value.dim() > spec.dim and (
+            value.size(spec.dim) == spec.full_size
+        ):
+            value = shard(value, spec, sharding.rank, sharding.size)
+        out[name] = value
+    return out

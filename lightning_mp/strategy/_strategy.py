@@ -42,6 +42,7 @@ from lightning_mp.pipeline import MicrobatchSplitError, PipelineEngine, merge_mi
 from lightning_mp.init import delay_param_initialization
 from lightning_mp.memory._host import fix_mmap_threshold, trim_host_memory
 from lightning_mp.strategy import _checkpoint
+from lightning_mp.strategy._consolidate import hf_info
 from lightning_mp.strategy import _tp
 from lightning_mp.strategy._exit import release_at_exit
 from lightning_mp.strategy._launch import apply_thread_policy, make_launcher, resolve_resume_path
@@ -121,8 +122,13 @@ class SMPStrategy(ParallelStrategy):
         start_method: ``"popen"`` (re-run the script per rank, like ``ddp``) or ``"spawn"``/``"fork"``.
         save_distributed_checkpoint: as in Lightning's ``ModelParallelStrategy``: ``True`` writes a folder of DCP
             shards per checkpoint (every rank writes its own part; resumable at any layout); ``False`` writes one
-            full Lightning checkpoint file from global rank 0, which ``Model.load_from_checkpoint`` and any other
-            strategy read. Either kind resumes an ``smp`` run, as does a plain Lightning checkpoint file.
+            full Lightning checkpoint file from global rank 0 (tp shards gathered into full tensors), which
+            ``Model.load_from_checkpoint`` and any other strategy read. Either kind resumes an ``smp`` run, as does a plain Lightning checkpoint file.
+        load_weights: initial weights for the model, read at setup after partitioning, each rank keeping its own
+            stage's tensors and its tp slice of them: a plain state dict (``.pt``, ``.bin``, ``.safetensors``), a
+            Lightning checkpoint file, a lightning_mp checkpoint folder, or a Hugging Face folder (keys of the
+            LightningModule's transformers model). The optimizer starts fresh. Missing keys raise unless the
+            LightningModule's ``strict_loading`` is ``False``.
         replan_on_resume: a run resumed with ``fit(ckpt_path=...)`` (a path, or ``"last"``/``"best"`` as Lightning
             resolves them) reuses the partition plan saved in that checkpoint when it fits the model and
             ``pipeline_parallel_degree`` (else it plans anew, and says so); ``True`` always plans anew.
@@ -170,6 +176,7 @@ class SMPStrategy(ParallelStrategy):
         deterministic_order: bool | None = None,
         start_method: Literal["popen", "spawn", "fork"] = "popen",
         save_distributed_checkpoint: bool = True,
+        load_weights: str | Path | None = None,
         replan_on_resume: bool = False,
         delayed_parameter_initialization: bool = False,
         shard_optimizer_state: bool = False,
@@ -215,6 +222,7 @@ class SMPStrategy(ParallelStrategy):
         )
         self._start_method = start_method
         self._save_distributed_checkpoint = save_distributed_checkpoint
+        self._load_weights = load_weights
         self._param_order: list[str] | None = None  # the whole model's parameter FQNs, before placement
         self._param_names: dict[str, str] = {}  # other names of shared parameters -> original FQN (see _tied.py)
         self._tied = TiedWeights([])
@@ -414,6 +422,10 @@ class SMPStrategy(ParallelStrategy):
         if self._save_distributed_checkpoint:
             _checkpoint.name_checkpoint_folders(trainer.checkpoint_callbacks)
         self._place_modules(trainer)
+        if self._load_weights is not None:
+            _checkpoint.load_weights(
+                self._load_weights, self.lightning_module, self._param_names, strict=self.lightning_module.strict_loading
+            )
         self._build_reducer()
         if self.topology.pipeline_parallel_degree * self.topology.tensor_parallel_degree > 1:
             sync_metrics_over(self.lightning_module, self.device_mesh.get_group(MeshAxis.DP.value))
@@ -452,8 +464,6 @@ class SMPStrategy(ParallelStrategy):
                 "The 'smp' strategy runs backward inside the pipeline, so manual optimization"
                 " (`self.automatic_optimization = False`) is not supported. Use automatic optimization."
             )
-        if not self._save_distributed_checkpoint and self.config.tensor_parallel_degree > 1:
-            raise ValueError(_FULL_FILE_AT_TP.format(what="save_distributed_checkpoint=False"))
         if self.config.trace_execution_times and is_delayed(module):
             raise ValueError(
                 "trace_execution_times=True cannot time a model built under delayed parameter initialisation (it is"
@@ -799,9 +809,14 @@ class SMPStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError("The 'smp' strategy saves through torch.distributed.checkpoint; `storage_options` is unused.")
         path = Path(self.broadcast(str(filepath)))
-        checkpoint[PLAN_KEY] = {"partition_plan": self.partition_plan.to_dict()}
+        checkpoint[PLAN_KEY] = {
+            "partition_plan": self.partition_plan.to_dict(),
+            "layout": dict(zip(("dp", "pp", "tp"), self.topology.mesh_shape)),
+            "tied_names": dict(self._param_names),  # for consolidation (see _consolidate.py)
+            "hf": hf_info(self.lightning_module),
+        }
         if self._save_distributed_checkpoint:
-            _checkpoint.save_checkpoint(checkpoint, path, self.is_global_zero, self._param_names)
+            _checkpoint.save_checkpoint(checkpoint, path, self.is_global_zero, self._param_names, self.model)
             return
         if self._sharded_optimizers():  # ZeRO-1: each dp rank holds a share of its stage's optimizer state
             group = self.device_mesh.get_group(MeshAxis.DP.value)
@@ -810,6 +825,12 @@ class SMPStrategy(ParallelStrategy):
             )
             if merged is not None:
                 checkpoint["optimizer_states"] = merged
+        if self.topology.dp_rank == 0 and self.topology.tensor_parallel_degree > 1:  # tp shards -> full tensors
+            checkpoint["state_dict"] = _checkpoint.gather_tp_shards(checkpoint["state_dict"], self.model)
+            checkpoint["optimizer_states"] = [
+                _checkpoint.gather_tp_shards(state, self.model, flat=True)
+                for state in checkpoint.get("optimizer_states", [])
+            ]
         if self.topology.dp_rank == 0 and self.topology.tp_rank == 0:  # replica 0's stages hold the whole model
             assert self._param_order is not None
             _checkpoint.save_full_checkpoint(
@@ -818,6 +839,11 @@ class SMPStrategy(ParallelStrategy):
                 self._param_names,
             )
         self.barrier("save_checkpoint")
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:  # its name goes in one rename (see [Note: checkpoint commit] in _checkpoint.py)
+            _checkpoint.remove_checkpoint(Path(filepath))
 
     def _sharded_optimizers(self) -> bool:
         return any(local_optimizer(_unwrap(o)) is not _unwrap(o) for o in self.optimizers)
@@ -829,8 +855,6 @@ class SMPStrategy(ParallelStrategy):
         local = [local_optimizer(o) for o in optimizers]
         if path.is_file():  # one full file: a plain Lightning checkpoint, or save_distributed_checkpoint=False
             assert self._param_order is not None
-            if self.topology.tensor_parallel_degree > 1:
-                raise ValueError(_FULL_FILE_AT_TP.format(what=f"load {path} (one full checkpoint file)"))
             checkpoint = _checkpoint.load_full_checkpoint(
                 path, self.model, optimizers, self._param_order, self.device_mesh.get_group(MeshAxis.PP.value),
                 strict=self.lightning_module.strict_loading, weights_only=weights_only, local_optimizers=local,
@@ -877,13 +901,6 @@ class SMPStrategy(ParallelStrategy):
 # ``n / sum(n)``: one process's maths on the batch. A microbatch with ``n == 0`` runs no backward. Without
 # ``num_tokens`` the loss is the mean of the microbatch losses. Data-parallel replicas then average their
 # gradients as under ``ddp`` (each replica's batch is normalised by its own count).
-
-
-_FULL_FILE_AT_TP = (
-    "{what} is not supported with tensor_parallel_degree > 1 yet: a full file holds every parameter whole under its"
-    " one-device name, and tensor-parallel shards are not gathered into whole tensors (nor split back) yet. Use"
-    " save_distributed_checkpoint=True (DCP folders, which resume at any layout), or tensor_parallel_degree=1."
-)
 
 
 def _steps_optimizer(trainer: pl.Trainer) -> bool:
