@@ -53,6 +53,8 @@ METHODS = (
     "lightning_mp simple",
     "lightning_mp interleaved",
     "lightning_mp interleaved a2",
+    "lightning_mp simple loop",
+    "lightning_mp interleaved loop",
     "torch GPipe",
     "torch 1F1B",
 )
@@ -76,6 +78,19 @@ class BlockStack(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.blocks(x)
+
+
+class BlockLoop(nn.Module):
+    """The same blocks called from a Python loop over an ``nn.ModuleList`` (as Hugging Face models do)."""
+
+    def __init__(self, dim: int, num_blocks: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([MLPBlock(dim) for _ in range(num_blocks)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
 
 
 class ActivationMeter:
@@ -143,7 +158,7 @@ def _batch(batch_size: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(batch_size, dim, generator=generator), torch.randn(batch_size, dim, generator=generator)
 
 
-def _ours_step(engine: PipelineEngine, model: BlockStack, parts: list) -> None:
+def _ours_step(engine: PipelineEngine, model: nn.Module, parts: list) -> None:
     num = len(parts)
     with engine.session() as session:
         if engine.is_driver:
@@ -177,10 +192,17 @@ def _rank(rank: int, init_file: str, out_dir: str, args: argparse.Namespace) -> 
         for fqn, _ in ours.blocks.named_modules():
             if fqn:
                 stage_of[f"blocks.{fqn}"] = 0 if int(fqn.split(".")[0]) < half else 1
-        engine = PipelineEngine(_transport(args.data_plane), STAGES, timeout_s=300)
+        transport = _transport(args.data_plane)
+        engine = PipelineEngine(transport, STAGES, timeout_s=300)
         engine.install(ours, stage_of)
+        looped = BlockLoop(args.dim, args.blocks)
+        looped.blocks.load_state_dict(reference.blocks.state_dict())
+        loop_engine = PipelineEngine(transport, STAGES, timeout_s=300)
+        loop_engine.install(looped, stage_of)
         meter = ActivationMeter()
-        meter.attach(list(ours.blocks) + list(halves[rank]) + (list(reference.blocks) if rank == 0 else []))
+        meter.attach(
+            list(ours.blocks) + list(looped.blocks) + list(halves[rank]) + (list(reference.blocks) if rank == 0 else [])
+        )
         x, y = _batch(args.batch_size, args.dim)
 
         runners: dict[tuple[str, int], Callable[[], None]] = {}
@@ -190,11 +212,14 @@ def _rank(rank: int, init_file: str, out_dir: str, args: argparse.Namespace) -> 
                 ("lightning_mp simple", "simple", m),  # one wave: every forward, then every backward
                 ("lightning_mp interleaved", "interleaved", STAGES + 2),  # the default cap, pp + 2
                 ("lightning_mp interleaved a2", "interleaved", STAGES),  # active_microbatches = pp
+                ("lightning_mp simple loop", "simple", m),
+                ("lightning_mp interleaved loop", "interleaved", STAGES + 2),
             ):
+                eng, model = (loop_engine, looped) if name.endswith(" loop") else (engine, ours)
 
-                def run(schedule=schedule, active=active, parts=parts) -> None:
-                    engine.schedule, engine.active_microbatches = schedule, active
-                    _ours_step(engine, ours, parts)
+                def run(schedule=schedule, active=active, parts=parts, eng=eng, model=model) -> None:
+                    eng.schedule, eng.active_microbatches = schedule, active
+                    _ours_step(eng, model, parts)
 
                 runners[(name, m)] = run
             for name, cls in (("torch GPipe", ScheduleGPipe), ("torch 1F1B", Schedule1F1B)):
@@ -252,18 +277,21 @@ def main() -> None:
         f"\n{args.blocks} MLP blocks (dim {args.dim}, hidden {4 * args.dim}), batch {args.batch_size}, forward+backward,"
         f" {STAGES} stages on {STAGES} CPU processes (gloo, 1 thread each); median of {args.rounds * args.steps} steps"
     )
-    header = f"{'M':>2} {'method':<26} {'ms/step':>8} {'% of ideal':>10} {'vs torch best':>13} {'peak act MiB r0 / r1':>21}"
+    header = f"{'M':>2} {'method':<30} {'ms/step':>8} {'% of ideal':>10} {'ours / torch best':>17} {'peak act MiB r0 / r1':>21}"
     print(header)
     print("-" * len(header))
     for m in args.microbatches:
         median = {name: 1000 * statistics.median(results[0]["times"][(name, m)]) for name in METHODS}
         ideal = median["one process"] / STAGES * (m + STAGES - 1) / m
         torch_best = min(median["torch GPipe"], median["torch 1F1B"])
-        print(f"{m:>2} {'ideal (one process / 2 x (M+1)/M)':<26} {ideal:8.1f}")
+        print(f"{m:>2} {'ideal (one process / 2 x (M+1)/M)':<30} {ideal:8.1f}")
         for name in METHODS:
             peaks = " / ".join(f"{r['peaks'][(name, m)] / mib:.1f}" for r in results)
-            vs = f"{torch_best / median[name]:12.2f}x" if name != "one process" else ""
-            print(f"{m:>2} {name:<26} {median[name]:8.1f} {100 * ideal / median[name]:9.0f}% {vs:>13} {peaks:>21}")
+            vs = f"{median[name] / torch_best:16.2f}x" if name != "one process" else ""
+            print(f"{m:>2} {name:<30} {median[name]:8.1f} {100 * ideal / median[name]:9.0f}% {vs:>17} {peaks:>21}")
+        for schedule in ("simple", "interleaved"):
+            ratio = median[f"lightning_mp {schedule} loop"] / median[f"lightning_mp {schedule}"]
+            print(f"{m:>2} {schedule} ModuleList loop / Sequential: {ratio:.2f}x")
 
 
 if __name__ == "__main__":
