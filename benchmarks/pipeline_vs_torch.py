@@ -11,6 +11,10 @@ Every method runs forward + backward of one batch (no optimizer step) with the M
 - ``lightning_mp simple`` / ``interleaved``: our module-server engine (``pipeline="simple"`` is GPipe with
   ``active_microbatches=M``, ``"interleaved"`` orders ready work as 1F1B would, with the default
   ``active_microbatches=pp+2``; ``interleaved a2`` caps it at ``pp``); the driver runs the loss on stage 0.
+- ``... loop``: the same blocks in an ``nn.ModuleList`` called from a Python loop (``for block in self.blocks:
+  x = block(x)``, as Hugging Face models are written), each remote block its own call; ``interl. loop eager`` is
+  that with ``remote_handles=False`` (every remote call waits for its outputs: one round trip per block, as
+  before remote handles).
 - ``torch GPipe`` / ``torch 1F1B``: ``torch.distributed.pipelining.ScheduleGPipe`` / ``Schedule1F1B`` over
   ``PipelineStage``s of the same two halves, the loss on the last stage.
 
@@ -55,6 +59,7 @@ METHODS = (
     "lightning_mp interleaved a2",
     "lightning_mp simple loop",
     "lightning_mp interleaved loop",
+    "lightning_mp interl. loop eager",
     "torch GPipe",
     "torch 1F1B",
 )
@@ -199,9 +204,13 @@ def _rank(rank: int, init_file: str, out_dir: str, args: argparse.Namespace) -> 
         looped.blocks.load_state_dict(reference.blocks.state_dict())
         loop_engine = PipelineEngine(transport, STAGES, timeout_s=300)
         loop_engine.install(looped, stage_of)
+        looped_eager = copy.deepcopy(looped)
+        eager_engine = PipelineEngine(transport, STAGES, timeout_s=300, remote_handles=False)
+        eager_engine.install(looped_eager, stage_of)
         meter = ActivationMeter()
         meter.attach(
-            list(ours.blocks) + list(looped.blocks) + list(halves[rank]) + (list(reference.blocks) if rank == 0 else [])
+            list(ours.blocks) + list(looped.blocks) + list(looped_eager.blocks) + list(halves[rank])
+            + (list(reference.blocks) if rank == 0 else [])
         )
         x, y = _batch(args.batch_size, args.dim)
 
@@ -214,8 +223,11 @@ def _rank(rank: int, init_file: str, out_dir: str, args: argparse.Namespace) -> 
                 ("lightning_mp interleaved a2", "interleaved", STAGES),  # active_microbatches = pp
                 ("lightning_mp simple loop", "simple", m),
                 ("lightning_mp interleaved loop", "interleaved", STAGES + 2),
+                ("lightning_mp interl. loop eager", "interleaved", STAGES + 2),
             ):
-                eng, model = (loop_engine, looped) if name.endswith(" loop") else (engine, ours)
+                eng, model = {"loop": (loop_engine, looped), "eager": (eager_engine, looped_eager)}.get(
+                    name.split()[-1], (engine, ours)
+                )
 
                 def run(schedule=schedule, active=active, parts=parts, eng=eng, model=model) -> None:
                     eng.schedule, eng.active_microbatches = schedule, active

@@ -2,8 +2,11 @@
 
 Every rank of a pipeline runs an execution server. Pipeline rank 0 (the *driver*) runs the user's step once
 per microbatch. A module placed on another stage has its ``forward`` replaced by a stub; calling it sends an
-execution request (module FQN, args, kwargs) to the owner, whose server runs the real module and replies with
-the outputs. Backward crosses ranks through :mod:`lightning_mp.comm._autograd` (see [Note: remote autograd]).
+execution request (module FQN, args, kwargs) to the owner, whose server runs the real module and keeps the
+outputs; the call returns at once with a :class:`~lightning_mp.pipeline.RemoteValue` handle, which a later call on
+that stage takes by reference and which fetches the value when local code touches it ([Note: remote handles] in
+``_handles.py``; ``remote_handles=False``: the owner replies with the outputs and the call waits for them).
+Backward crosses ranks through :mod:`lightning_mp.comm._autograd` (see [Note: remote autograd]).
 Because requests are made by ordinary Python calls, data-dependent branches, loops and calling one module
 several times keep working, and any stage may call any other.
 
@@ -425,8 +428,9 @@ def _label(fqn: str, span: tuple[int, int] | None) -> str:
     return fqn if span is None else f"{fqn}[{span[0]}:{span[1]}]"
 
 
-# [Note: sequential runs] A Python loop over children (``for block in self.h: x = block(x)``) makes one round trip
-# per remote child, as the loop runs on the parent's stage. ``nn.Sequential.forward`` is such a loop that we can
+# [Note: sequential runs] A Python loop over children (``for block in self.h: x = block(x)``) makes one request
+# per remote child, as the loop runs on the parent's stage (with remote handles a one-way one; without, a round
+# trip). ``nn.Sequential.forward`` is such a loop that we can
 # see: when the children of a Sequential span stages, its forward is replaced (on its owner only) by one that
 # sends each maximal run of consecutive children living on one other stage as a single request, so stage 0
 # calling blocks 3..5 on stage 1 costs one round trip forward and one backward per microbatch, as in a
@@ -1118,7 +1122,9 @@ class PipelineSession:
         if grad_inputs:
             upstream[call_id] = grad_inputs
         self.send(packed, stage, task.microbatch, kind="call")
-        return RemoteValue(self, stage, call_id, task.microbatch, upstream=upstream, label=_label(fqn, span))
+        handle = RemoteValue(self, stage, call_id, task.microbatch, upstream=upstream, label=_label(fqn, span))
+        handle._rv_grad_enabled = grad_enabled
+        return handle
 
     def fetch(self, handle: RemoteValue) -> Any:
         """Bring the value behind ``handle`` here: one round trip to its owner, connected to autograd."""
@@ -1134,7 +1140,7 @@ class PipelineSession:
         envelope = self.envelope("get", fetch_id, body, handle._rv_microbatch)
         reply = self.exchange(handle._rv_stage, envelope, task, f"the output of {label!r}")
         outputs = [t for t, rg in zip(reply.tensors, reply.requires_grad) if rg and _differentiable(t)]
-        if outputs and not torch.is_inference_mode_enabled():
+        if outputs and handle._rv_grad_enabled and not torch.is_inference_mode_enabled():
             upstream = handle._rv_upstream
             grad_inputs = [t for tensors in upstream.values() for t in tensors]
             call = _FetchBackward(self, handle._rv_stage, fetch_id, handle._rv_microbatch, label,

@@ -90,6 +90,7 @@ class RemoteValue:
         self._rv_parent = parent
         self._rv_upstream = upstream if upstream is not None else {}  # call_id -> caller tensors sent as data
         self._rv_label = label
+        self._rv_grad_enabled = parent._rv_grad_enabled if parent is not None else True  # the call's grad mode
         self._rv_fetched = False
         self._rv_value: Any = None
         self._rv_children: dict[Any, RemoteValue] = {}
