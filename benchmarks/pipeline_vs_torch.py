@@ -23,7 +23,9 @@ per method and microbatch count); the table shows the median step time of rank 0
 ``one-process time / stages x (M + stages - 1) / M`` (perfect overlap, only the fill/drain bubble), and the
 peak activation memory per rank: the largest total size of tensors saved for backward (autograd's saved
 tensors, parameters excluded, counted through ``torch.autograd.graph.saved_tensors_hooks`` around every block)
-alive at once during a step.
+alive at once during a step, and each process's CPU time and context switches per step (``getrusage``, all its
+threads; rank 1 idles in a barrier during "one process"). On a loaded machine the wall times of all methods
+stretch; CPU time and context switches are the less load-sensitive measures of overhead.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -202,9 +205,9 @@ def _rank(rank: int, init_file: str, out_dir: str, args: argparse.Namespace) -> 
         engine.install(ours, stage_of)
         looped = BlockLoop(args.dim, args.blocks)
         looped.blocks.load_state_dict(reference.blocks.state_dict())
+        looped_eager = copy.deepcopy(looped)
         loop_engine = PipelineEngine(transport, STAGES, timeout_s=300)
         loop_engine.install(looped, stage_of)
-        looped_eager = copy.deepcopy(looped)
         eager_engine = PipelineEngine(transport, STAGES, timeout_s=300, remote_handles=False)
         eager_engine.install(looped_eager, stage_of)
         meter = ActivationMeter()
@@ -253,19 +256,25 @@ def _rank(rank: int, init_file: str, out_dir: str, args: argparse.Namespace) -> 
             runners[("one process", m)] = single
 
         times: dict[tuple[str, int], list[float]] = {key: [] for key in runners}
+        cpu: dict[tuple[str, int], list[float]] = {key: [] for key in runners}
+        switches: dict[tuple[str, int], list[int]] = {key: [] for key in runners}
         peaks: dict[tuple[str, int], int] = {key: 0 for key in runners}
         for round_index in range(args.rounds + 1):  # round 0 warms every method up
             for key, run in runners.items():
                 for _ in range(1 if round_index == 0 else args.steps):
                     dist.barrier()
                     meter.reset()
+                    usage = resource.getrusage(resource.RUSAGE_SELF)
                     start = time.perf_counter()
                     run()
                     elapsed = time.perf_counter() - start
+                    after = resource.getrusage(resource.RUSAGE_SELF)
                     if round_index:
                         times[key].append(elapsed)
+                        cpu[key].append(after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime)
+                        switches[key].append(after.ru_nvcsw + after.ru_nivcsw - usage.ru_nvcsw - usage.ru_nivcsw)
                         peaks[key] = max(peaks[key], meter.peak)
-        torch.save({"times": times, "peaks": peaks}, os.path.join(out_dir, f"{rank}.pt"))
+        torch.save({"times": times, "peaks": peaks, "cpu": cpu, "switches": switches}, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -289,7 +298,10 @@ def main() -> None:
         f"\n{args.blocks} MLP blocks (dim {args.dim}, hidden {4 * args.dim}), batch {args.batch_size}, forward+backward,"
         f" {STAGES} stages on {STAGES} CPU processes (gloo, 1 thread each); median of {args.rounds * args.steps} steps"
     )
-    header = f"{'M':>2} {'method':<30} {'ms/step':>8} {'% of ideal':>10} {'ours / torch best':>17} {'peak act MiB r0 / r1':>21}"
+    header = (
+        f"{'M':>2} {'method':<30} {'ms/step':>8} {'% of ideal':>10} {'ours / torch best':>17} {'peak act MiB r0 / r1':>21}"
+        f" {'CPU ms/step r0 / r1':>20} {'ctx sw/step r0 / r1':>20}"
+    )
     print(header)
     print("-" * len(header))
     for m in args.microbatches:
@@ -300,7 +312,12 @@ def main() -> None:
         for name in METHODS:
             peaks = " / ".join(f"{r['peaks'][(name, m)] / mib:.1f}" for r in results)
             vs = f"{median[name] / torch_best:16.2f}x" if name != "one process" else ""
-            print(f"{m:>2} {name:<30} {median[name]:8.1f} {100 * ideal / median[name]:9.0f}% {vs:>17} {peaks:>21}")
+            cpu = " / ".join(f"{1000 * statistics.median(r['cpu'][(name, m)]):.0f}" for r in results)
+            switches = " / ".join(f"{statistics.median(r['switches'][(name, m)]):.0f}" for r in results)
+            print(
+                f"{m:>2} {name:<30} {median[name]:8.1f} {100 * ideal / median[name]:9.0f}% {vs:>17} {peaks:>21}"
+                f" {cpu:>20} {switches:>20}"
+            )
         for schedule in ("simple", "interleaved"):
             ratio = median[f"lightning_mp {schedule} loop"] / median[f"lightning_mp {schedule}"]
             print(f"{m:>2} {schedule} ModuleList loop / Sequential: {ratio:.2f}x")

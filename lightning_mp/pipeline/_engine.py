@@ -174,6 +174,16 @@ class _SavedFetch:
 
     outputs: list[torch.Tensor]
     microbatch: int
+    backed: bool = False  # a backward of it has run
+
+
+@dataclass
+class _FetchCount:
+    """Per microbatch on an owner: fetches with differentiable outputs whose backward has not come yet, and whether
+    any came from a stage other than the driver (see [Note: backward of fetches])."""
+
+    pending: int = 0
+    foreign: bool = False
 
 
 @dataclass
@@ -580,6 +590,7 @@ class PipelineSession:
         self._leaves: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._fetches: dict[tuple[int, int], _SavedFetch] = {}
         self._of_microbatch: dict[int, list[tuple[int, int]]] = {}
+        self._fetch_counts: dict[int, _FetchCount] = {}
         self._closed = False
         self._done_unsent: dict[int, list[int]] = {}  # driver: finished microbatches to tell each stage
         self._end = _Future()
@@ -748,6 +759,7 @@ class PipelineSession:
             self._leaves.clear()
             self._fetches.clear()
             self._of_microbatch.clear()
+            self._fetch_counts.clear()
 
     def _send_quietly(self, envelope: Any, peer: int, microbatch: int = 0) -> None:
         try:
@@ -1075,21 +1087,31 @@ class PipelineSession:
             with self._lock:
                 self._fetches[envelope.call_id] = _SavedFetch(outputs, envelope.microbatch)
                 self._of_microbatch.setdefault(envelope.microbatch, []).append(envelope.call_id)
+                count = self._fetch_counts.setdefault(envelope.microbatch, _FetchCount())
+                count.pending += 1
+                count.foreign = count.foreign or envelope.call_id[0] != 0
         return reply
 
     def _run_fetch_backward(self, envelope: _Envelope) -> _Envelope:
         label, grad_outputs, upstream = envelope.body
         with self._lock:
             saved = self._fetches[envelope.call_id]
+            count = self._fetch_counts.setdefault(saved.microbatch, _FetchCount())
+            if not saved.backed:
+                saved.backed = True
+                count.pending -= 1
+            retain = count.foreign or count.pending > 0
         pairs = [(out, grad) for out, grad in zip(saved.outputs, grad_outputs) if grad is not None]
         if pairs:
             # [Note: backward of fetches] Fetches of one microbatch can share a part of this stage's graph (a value
-            # fetched midway through a chain, then the chain's end; two parts of one output fetched apart), and a
-            # fetch that this stage made itself can then be backed through once per such fetch (its owner gets
-            # partial gradients, which add up as one backward would). So the graph is kept until the driver
-            # finishes the microbatch (``_free``), as the saved activations would live about that long anyway.
+            # fetched midway through a chain, then the chain's end; two parts of one output fetched apart), so the
+            # graph is kept while another fetch of the microbatch awaits its backward. A fetch that a stage other
+            # than the driver made can moreover be backed through once per backward of that stage's graph that
+            # passes it (its owner gets partial gradients, which add up as one backward would): then the graph is
+            # kept until the driver finishes the microbatch (``_free``). The driver runs one backward per
+            # microbatch, so each of its fetches is backed through once, and the last frees the graph as it goes.
             with torch.autograd.set_multithreading_enabled(False):  # [Note: backward on the calling thread]
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], retain_graph=True)
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], retain_graph=retain)
         grads = []
         for call_id in upstream:
             with self._lock:
@@ -1106,6 +1128,7 @@ class PipelineSession:
                 self._outputs.pop(call_id, None)
                 self._leaves.pop(call_id, None)
                 self._fetches.pop(call_id, None)
+            self._fetch_counts.pop(microbatch, None)
 
     # ---- remote handles, caller side ----------------------------------------------------------------------------
 
