@@ -5,8 +5,9 @@ Measures forward+backward of one batch (no optimizer, no Lightning) so the table
     python benchmarks/gpt_pipeline_step.py [--model gpt|hf-gpt2] [--steps 20] [--microbatches 4] [--batch-size 32]
 
 Rows: one process with 1 and 2 intra-op threads (the peer: plain PyTorch), and the pipeline on 2 processes with
-1 thread each, for both schedules, and "interleaved eager" (``remote_handles=False``: every remote call waits for
-its outputs, as before remote handles). "ideal" is the one-thread time / 2 stages x (M + 1) / M (a perfect 2-stage
+1 thread each, for both schedules, each with remote handles and "eager" (``remote_handles=False``: every remote
+call waits for its outputs, as before remote handles); the two variants of a schedule alternate step by step in
+the same pair of processes. "ideal" is the one-thread time / 2 stages x (M + 1) / M (a perfect 2-stage
 pipeline with its fill/drain bubble). Also printed: per-stage busy time (forward/backward spans of the engine's
 timeline), the number of remote calls per step, the driver's round trips per microbatch forward / backward
 (fetches or waiting calls / their backwards; one-way calls are not round trips) and the context switches per step
@@ -88,57 +89,67 @@ def _transport(plane: str) -> Transport:
 
 def _pipeline_rank(
     rank: int, init_file: str, out_dir: str, steps: int, microbatches: int, schedule: str, batch_size: int, plane: str,
-    handles: bool, model_name: str,
+    model_name: str,
 ) -> None:
+    """Both variants (remote handles on, off) in the same two processes, alternating step by step."""
     global MODEL
     MODEL = model_name
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(minutes=5))
     try:
-        model, batch = _model(), _batch(batch_size)
+        batch = _batch(batch_size)
         parts = split_microbatches(batch, microbatches)
-        stage_of = plan(trace(model, lambda: _loss(model, parts[0])), 2).stage_of
-        engine = PipelineEngine(_transport(plane), 2, schedule=schedule, remote_handles=handles)
-        engine.install(model, stage_of)
-        calls = [0]
-        call_remote = engine.call_remote
+        transport = _transport(plane)
+        variants = {}
+        for handles in (True, False):
+            model = _model()
+            stage_of = plan(trace(model, lambda model=model: _loss(model, parts[0])), 2).stage_of
+            engine = PipelineEngine(transport, 2, schedule=schedule, remote_handles=handles)
+            engine.install(model, stage_of)
+            calls = [0]
 
-        def counted(*args, **kwargs):
-            calls[0] += 1
-            return call_remote(*args, **kwargs)
+            def counted(*args, call_remote=engine.call_remote, calls=calls, **kwargs):
+                calls[0] += 1
+                return call_remote(*args, **kwargs)
 
-        engine.call_remote = counted
-        times, busy, switches = [], [], []
+            engine.call_remote = counted
+            variants[handles] = (model, engine, calls, {"times": [], "busy": [], "switches": []})
         for _ in range(steps):
-            usage = resource.getrusage(resource.RUSAGE_SELF)
-            start = time.perf_counter()
-            engine.timeline.start()
-            with engine.session() as session:
-                if engine.is_driver:
-                    session.drive(lambda mb, i: _loss(model, mb), parts, loss_fn=lambda l: l / microbatches, backward=True)
-                    session.finish(None)
-                else:
-                    session.serve()
-            times.append(time.perf_counter() - start)
-            after = resource.getrusage(resource.RUSAGE_SELF)
-            switches.append(after.ru_nvcsw + after.ru_nivcsw - usage.ru_nvcsw - usage.ru_nivcsw)
-            events = engine.timeline.stop()
-            busy.append(sum(e.duration_s for e in events if e.category in ("forward", "backward")))
-        sent = engine.messages_sent
-        trips = ((sent["get"] + sent["fwd"]) / steps / microbatches, (sent["gbwd"] + sent["bwd"]) / steps / microbatches)
-        result = {"times": times, "busy": busy, "calls": calls[0] / steps, "switches": switches, "trips": trips}
-        torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
+            for handles, (model, engine, calls, result) in variants.items():
+                dist.barrier()
+                usage = resource.getrusage(resource.RUSAGE_SELF)
+                start = time.perf_counter()
+                engine.timeline.start()
+                with engine.session() as session:
+                    if engine.is_driver:
+                        session.drive(
+                            lambda mb, i, model=model: _loss(model, mb), parts, loss_fn=lambda l: l / microbatches,
+                            backward=True,
+                        )
+                        session.finish(None)
+                    else:
+                        session.serve()
+                result["times"].append(time.perf_counter() - start)
+                after = resource.getrusage(resource.RUSAGE_SELF)
+                result["switches"].append(after.ru_nvcsw + after.ru_nivcsw - usage.ru_nvcsw - usage.ru_nivcsw)
+                events = engine.timeline.stop()
+                result["busy"].append(sum(e.duration_s for e in events if e.category in ("forward", "backward")))
+        out = {}
+        for handles, (model, engine, calls, result) in variants.items():
+            sent = engine.messages_sent
+            trips = ((sent["get"] + sent["fwd"]) / steps / microbatches, (sent["gbwd"] + sent["bwd"]) / steps / microbatches)
+            out[handles] = {**result, "calls": calls[0] / steps, "trips": trips}
+        torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def pipeline(
-    steps: int, microbatches: int, schedule: str, batch_size: int, plane: str = "gloo", handles: bool = True
-) -> list[dict]:
+def pipeline(steps: int, microbatches: int, schedule: str, batch_size: int, plane: str = "gloo") -> list[dict]:
+    """Per rank: {remote_handles: result}, both variants measured in one pair of processes."""
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(
             _pipeline_rank,
-            args=(os.path.join(tmp, "rdv"), tmp, steps, microbatches, schedule, batch_size, plane, handles, MODEL),
+            args=(os.path.join(tmp, "rdv"), tmp, steps, microbatches, schedule, batch_size, plane, MODEL),
             nprocs=2,
             join=True,
         )
@@ -166,13 +177,15 @@ def main() -> None:
     m = args.microbatches
     ideal = single[1] / 2 * (m + 1) / m
     rows.append((f"ideal 2-stage pipeline, M={m}", ideal, "", "", "", ""))
-    for schedule, handles in (("interleaved", True), ("interleaved", False), ("simple", True)):
-        results = pipeline(args.steps, m, schedule, args.batch_size, args.data_plane, handles)
-        busy = " / ".join(f"{median_ms(r['busy']):.0f}" for r in results)
-        trips = " / ".join(f"{t:.0f}" for t in results[0]["trips"])
-        switches = " / ".join(f"{statistics.median(r['switches'][warmup:]):.0f}" for r in results)
-        name = f"lightning_mp pp=2 {schedule}{'' if handles else ' eager'}, M={m}"
-        rows.append((name, median_ms(results[0]["times"]), busy, f"{results[0]['calls']:.0f}", trips, switches))
+    for schedule in ("interleaved", "simple"):
+        both = pipeline(args.steps, m, schedule, args.batch_size, args.data_plane)
+        for handles in (True, False):
+            results = [r[handles] for r in both]
+            busy = " / ".join(f"{median_ms(r['busy']):.0f}" for r in results)
+            trips = " / ".join(f"{t:.0f}" for t in results[0]["trips"])
+            switches = " / ".join(f"{statistics.median(r['switches'][warmup:]):.0f}" for r in results)
+            name = f"lightning_mp pp=2 {schedule}{'' if handles else ' eager'}, M={m}"
+            rows.append((name, median_ms(results[0]["times"]), busy, f"{results[0]['calls']:.0f}", trips, switches))
 
     what = "HF GPT2LMHeadModel" if MODEL == "hf-gpt2" else "GPT"
     print(f"\n{what} (4 x 128, batch {args.batch_size}, seq 128), forward+backward, median of {args.steps - warmup} steps")
