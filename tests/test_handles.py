@@ -279,3 +279,11 @@ def test_hf_gpt2_at_pp2_costs_at_most_two_round_trips_per_microbatch_each_way():
         assert kinds.get("fwd", 0) == kinds.get("bwd", 0) == 0
         assert kinds["get"] <= 2 * 2 and kinds["gbwd"] <= 2 * 2, kinds  # round trips forward / backward, 2 mbs
         assert kinds["call"] == 3 * 2, kinds  # one-way: h.2, h.3, ln_f
+
+
+def test_remote_handles_switch_must_be_a_bool():
+    from lightning_mp import SMPConfig
+
+    assert SMPConfig().remote_handles is True
+    with pytest.raises(ValueError, match="remote_handles"):
+        SMPConfig(remote_handles="no")
