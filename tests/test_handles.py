@@ -287,3 +287,36 @@ def test_remote_handles_switch_must_be_a_bool():
     assert SMPConfig().remote_handles is True
     with pytest.raises(ValueError, match="remote_handles"):
         SMPConfig(remote_handles="no")
+
+
+def _stale_handle(rank: int, world: int) -> str:
+    torch.manual_seed(0)
+    model = Touchy()
+    engine = PipelineEngine(make_transport(list(range(world))), world, active_microbatches=1, timeout_s=60)
+    engine.install(model, expand_placement(model, {"blocks.2": 1}))
+    kept = []
+
+    def step(mb, index):
+        h = model.blocks[2](model.inp(mb[0]))
+        if index == 0:
+            kept.append(model.blocks[2](h))  # never touched in its own microbatch
+            return F.mse_loss(model.head(h).squeeze(-1), mb[1])
+        return F.mse_loss(model.head(h + kept[0]).squeeze(-1), mb[1])  # microbatch 1 touches microbatch 0's
+
+    try:
+        with engine.session() as session:
+            if engine.is_driver:
+                session.drive(step, split_microbatches(_batch(0), 2), loss_fn=lambda l: l, backward=True)
+                session.finish(None)
+            else:
+                session.serve()
+    except Exception as err:  # noqa: BLE001 (the message is the result)
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def test_a_handle_touched_after_its_microbatch_finished_fails_clearly():
+    driver, server = run_distributed(_stale_handle, 2)
+    assert driver.startswith("PipelineError") and "microbatch 0 was used after that microbatch had finished" in driver
+    assert "pipeline stage 1 (global rank 1)" in driver, driver
+    assert server.startswith("PipelineError"), server

@@ -591,6 +591,7 @@ class PipelineSession:
         self._fetches: dict[tuple[int, int], _SavedFetch] = {}
         self._of_microbatch: dict[int, list[tuple[int, int]]] = {}
         self._fetch_counts: dict[int, _FetchCount] = {}
+        self._freed: set[int] = set()  # microbatches whose outputs this stage has dropped
         self._closed = False
         self._done_unsent: dict[int, list[int]] = {}  # driver: finished microbatches to tell each stage
         self._end = _Future()
@@ -935,7 +936,6 @@ class PipelineSession:
                     self.fail(PipelineError(envelope.body))
             elif envelope.kind == "end":
                 self._end.set(message)
-
             else:
                 # Leader/followers: a new thread listens to this peer, and this one, already awake with the
                 # request in hand, serves it (one thread wake-up less on the critical path than handing it over).
@@ -963,7 +963,7 @@ class PipelineSession:
                     reply = self._run_get(envelope)
             else:
                 if kind == "call":
-                    self._await_outputs([ref._rv_call_id for ref in refs or ()], label)
+                    self._await_outputs([(ref._rv_call_id, ref._rv_microbatch) for ref in refs or ()], label)
                 with _as_task(task), self.token.hold(self.priority(task), self.grant_key(task)):
                     if kind == "fwd":
                         reply = self._run_forward(envelope, message)
@@ -1037,8 +1037,18 @@ class PipelineSession:
             self._of_microbatch.setdefault(microbatch, []).append(call_id)
         self._output_future(call_id).set(result)
 
-    def _await_outputs(self, call_ids: list[tuple[int, int]], what: str) -> None:
-        for call_id in call_ids:
+    def _check_kept(self, call_id: tuple[int, int], microbatch: int) -> None:
+        with self._lock:
+            if call_id not in self._outputs and microbatch in self._freed:
+                raise PipelineError(
+                    f"The output of a remote call of microbatch {microbatch} was used after that microbatch had"
+                    f" finished, and {self.engine.describe_stage(self.engine.stage)}, which computed it, has dropped"
+                    " it. Use a microbatch's values within its own step function, or return them from it."
+                )
+
+    def _await_outputs(self, call_ids: list[tuple[tuple[int, int], int]], what: str) -> None:
+        for call_id, microbatch in call_ids:
+            self._check_kept(call_id, microbatch)
             self._output_future(call_id).wait(
                 self.engine.timeout_s, self.raise_if_failed, f"the output of an earlier call, for {what!r}"
             )
@@ -1079,6 +1089,7 @@ class PipelineSession:
 
     def _run_get(self, envelope: _Envelope) -> Any:
         call_id, path, label = envelope.body
+        self._check_kept(call_id, envelope.microbatch)
         value = self._resolve(call_id, path)
         with _PackingFor(self, None):  # remote values inside it are fetched here and sent as data
             reply = pack(self.envelope("reply", envelope.call_id, value, envelope.microbatch))
@@ -1124,6 +1135,7 @@ class PipelineSession:
     def _free(self, microbatch: int) -> None:
         """The driver finished ``microbatch``: drop this stage's outputs, leaves and fetches of it."""
         with self._lock:
+            self._freed.add(microbatch)
             for call_id in self._of_microbatch.pop(microbatch, ()):
                 self._outputs.pop(call_id, None)
                 self._leaves.pop(call_id, None)

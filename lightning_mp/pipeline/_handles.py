@@ -57,8 +57,8 @@ class _PackingFor:
 _unpacked = threading.local()  # references met while unpickling a message on this thread
 
 
-def _make_ref(call_id: tuple[int, int], path: tuple) -> _Ref:
-    ref = _Ref(call_id, path)
+def _make_ref(call_id: tuple[int, int], path: tuple, microbatch: int) -> _Ref:
+    ref = _Ref(call_id, path, microbatch)
     refs = getattr(_unpacked, "refs", None)
     if refs is not None:
         refs.append(ref)
@@ -124,7 +124,7 @@ class RemoteValue:
         packing = getattr(_packing, "current", None)
         if packing is not None and packing.stage == self._rv_stage and self._rv_only_remote():
             packing.refs.append(self)
-            return (_make_ref, (self._rv_call_id, self._rv_path))
+            return (_make_ref, (self._rv_call_id, self._rv_path, self._rv_microbatch))
         return (_identity, (self._rv_materialize(),))
 
     # ---- parts without fetching -----------------------------------------------------------------------------
@@ -234,9 +234,10 @@ class _Ref(RemoteValue):
     ``resolve``); one left inside an object it cannot walk resolves the same way when touched.
     """
 
-    def __init__(self, call_id: tuple[int, int], path: tuple) -> None:
+    def __init__(self, call_id: tuple[int, int], path: tuple, microbatch: int) -> None:
         self._rv_call_id = call_id
         self._rv_path = path
+        self._rv_microbatch = microbatch
         self._rv_fetched = False
         self._rv_value = None
         self._rv_resolver = None
