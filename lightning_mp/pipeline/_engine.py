@@ -694,7 +694,12 @@ class PipelineSession:
                 done = self._done_unsent.pop(peer, None)
             if done:
                 message = dataclasses.replace(message, done=message.done + tuple(done))
-        self.transport.send(message, peer)
+        try:
+            self.transport.send(message, peer)
+        except TypeError:  # the message itself cannot be sent (``pack`` says why)
+            raise
+        except Exception as err:  # e.g. the peer died: a one-way "call" learns it here, so name the stage
+            raise PipelineError(f"Could not reach {self.engine.describe_stage(peer)}: {err}") from err
         self.timeline.record("send", f"to stage {peer}", microbatch, start)
 
     def start(self) -> None:
@@ -766,8 +771,8 @@ class PipelineSession:
         try:
             self.send(envelope, peer, microbatch)
         except Exception as err:  # the peer may be gone; the step is failing anyway
-            if self._error is None:
-                self.fail(PipelineError(f"Could not reach {self.engine.describe_stage(peer)}: {err}"))
+            if self._error is None:  # ``send`` names the stage already
+                self.fail(err)
 
     # ---- driver ----------------------------------------------------------------------------------------------
 
