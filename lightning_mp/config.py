@@ -104,11 +104,10 @@ class SMPConfig:
     Costs one small message per task from the leader; requires the replicas to make the same calls (no
     data-dependent control flow that differs between replicas). ``None``: on when ``tensor_parallel_degree > 1``."""
 
-    remote_handles: bool | None = None
+    remote_handles: bool = True
     """A call into a module on another stage returns at once with a handle to its output, which stays on that stage
     until local code touches it; a later call on the same stage takes it by reference (``RemoteValue``, [Note:
-    remote handles] in ``pipeline/_handles.py``). ``False``: every remote call waits for its outputs. ``None``: on
-    unless ``tensor_parallel_degree > 1`` (pp x tp with handles crashed in a test, not yet diagnosed)."""
+    remote handles] in ``pipeline/_handles.py``). ``False``: every remote call waits for its outputs."""
 
     delayed_parameter_initialization: bool = False
     """Build the model in ``configure_model`` without allocating parameters (SMP's
@@ -163,9 +162,7 @@ class SMPConfig:
                 )
         if self.deterministic_order not in (None, True, False):
             raise ValueError(f"`deterministic_order` must be True, False or None, got {self.deterministic_order!r}.")
-        if self.remote_handles not in (None, True, False):
-            raise ValueError(f"`remote_handles` must be True, False or None, got {self.remote_handles!r}.")
-        for name in ("delayed_parameter_initialization", "shard_optimizer_state", "release_host_memory"):
+        for name in ("delayed_parameter_initialization", "shard_optimizer_state", "release_host_memory", "remote_handles"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
         if self.data_plane not in ("auto", "gloo", "nccl"):
@@ -191,11 +188,6 @@ class SMPConfig:
             raise ValueError(f"`non_split_inputs` entries must be str (keys, field names) or int (positions), got {bad!r}.")
         if len(set(names)) != len(names):
             raise ValueError(f"`non_split_inputs` names an entry twice: {names!r}.")
-
-    @property
-    def effective_remote_handles(self) -> bool:
-        """``remote_handles`` if set, else whether tensor parallelism is off."""
-        return self.remote_handles if self.remote_handles is not None else self.tensor_parallel_degree == 1
 
     @property
     def effective_deterministic_order(self) -> bool:

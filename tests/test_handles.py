@@ -284,9 +284,7 @@ def test_hf_gpt2_at_pp2_costs_at_most_two_round_trips_per_microbatch_each_way():
 def test_remote_handles_switch_must_be_a_bool():
     from lightning_mp import SMPConfig
 
-    assert SMPConfig().effective_remote_handles is True
-    assert SMPConfig(tensor_parallel_degree=2).effective_remote_handles is False  # see SMPConfig.remote_handles
-    assert SMPConfig(tensor_parallel_degree=2, remote_handles=True).effective_remote_handles is True
+    assert SMPConfig().remote_handles is True and SMPConfig(tensor_parallel_degree=2).remote_handles is True
     with pytest.raises(ValueError, match="remote_handles"):
         SMPConfig(remote_handles="no")
 

@@ -42,7 +42,14 @@ from torch import nn
 
 from lightning_mp.comm import Message, Transport, connect_remote_outputs, pack
 from lightning_mp.pipeline._grads import OrderedGradients
-from lightning_mp.pipeline._handles import RemoteValue, _PackingFor, _unpacked, materialize, resolve
+from lightning_mp.pipeline._handles import (
+    RemoteValue,
+    _PackingFor,
+    _unpacked,
+    materialize,
+    materialize_module_inputs,
+    resolve,
+)
 from lightning_mp.pipeline._rng import MicrobatchRNG
 from lightning_mp.pipeline._scheduler import ComputeToken, GrantOrder, Priority
 from lightning_mp.pipeline._state import OrderedStateUpdates
@@ -249,6 +256,8 @@ class PipelineEngine:
     ) -> None:
         self.transport = transport
         self.remote_handles = remote_handles
+        if remote_handles:
+            materialize_module_inputs()
         self.order_transport = order_transport if order_transport is not None and order_transport.size > 1 else None
         self.stage = transport.rank
         self.num_stages = num_stages

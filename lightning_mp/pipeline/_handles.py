@@ -7,10 +7,12 @@ very object its earlier call returned, so a Python loop over remote blocks (``fo
 costs one one-way message per block, and the blocks' autograd graph stays on the owner in one piece. The value
 crosses to the caller only when local code touches it:
 
-- any torch function or tensor method on it (``__torch_function__``), arithmetic, comparisons, ``bool()``,
-  ``.item()``, ``len()``, iteration, ``repr()``, ``isinstance()`` (``__class__``), in-place ops, and sending it to
-  a third stage (the caller fetches it and sends the data) all *fetch* it: one round trip, then the proxy holds
-  the received value and behaves as it from then on;
+- passing it to a local module (a global forward pre-hook fetches the handles among the arguments), any torch
+  function or tensor method on it (``__torch_function__``), arithmetic, comparisons, ``bool()``, ``.item()``,
+  ``len()``, iteration, ``repr()``, in-place ops, and sending it to a third stage (the caller fetches it and sends
+  the data) all *fetch* it: one round trip, then the proxy holds the received value and behaves as it from then
+  on. ``isinstance(proxy, torch.Tensor)`` is ``False`` (a proxy claiming to be a tensor crashed torch's C++ argument
+  unpacking, e.g. in ``autograd.Function.apply``);
 - ``proxy[int | str]`` is another proxy for that part of the value (``outputs[0]``, ``outputs["logits"]``), and
   needs nothing from the owner.
 
@@ -77,7 +79,9 @@ class RemoteValue:
     """The output (or part of it: ``path``) of remote call ``call_id``, still on ``stage``.
 
     Behaves as the value itself wherever local code touches it, fetching it once at that moment (see [Note: remote
-    handles]). ``type(proxy)`` is this class; ``isinstance(proxy, torch.Tensor)`` fetches and answers for the value.
+    handles]). It is not a ``torch.Tensor`` (``isinstance`` says so without fetching): torch's C++ checks would take
+    a proxy that claimed to be one for a real tensor. So that code which needs a real tensor gets one, every call of
+    a local module fetches the handles among its arguments first (``materialize_module_inputs``).
     """
 
     def __init__(self, session: Any, stage: int, call_id: tuple[int, int], microbatch: int, path: tuple = (),
@@ -147,10 +151,6 @@ class RemoteValue:
         if name.startswith("_rv_"):  # not set yet (copy/unpickle of a bare instance)
             raise AttributeError(name)
         return getattr(self._rv_materialize(), name)
-
-    @property  # type: ignore[misc]
-    def __class__(self) -> type:
-        return type(self._rv_materialize())
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -269,6 +269,29 @@ def materialize(tree: Any) -> Any:
     if type(tree) in (tuple, list, dict) and not tree:
         return tree
     return pytree.tree_map(lambda v: v._rv_materialize() if _is_remote(v) else v, tree, is_leaf=_is_remote)
+
+
+def _fetch_module_inputs(module: Any, args: tuple) -> tuple | None:
+    """Global forward pre-hook: a local module gets values, not handles, as its positional arguments (torch's global
+    pre-hooks see no keyword arguments; handles there, or deeper in containers, fetch when touched)."""
+    if any(_is_remote(a) for a in args):
+        return tuple(a._rv_materialize() if _is_remote(a) else a for a in args)
+    return None
+
+
+_hook_lock = threading.Lock()
+_hook_handle: Any = None
+
+
+def materialize_module_inputs() -> None:
+    """Install (once per process) the global forward pre-hook that fetches handles passed to local modules. Remote
+    modules' stubs replace ``__call__`` and skip module hooks, so their handle arguments still go as references."""
+    global _hook_handle
+    with _hook_lock:
+        if _hook_handle is None:
+            from torch.nn.modules.module import register_module_forward_pre_hook
+
+            _hook_handle = register_module_forward_pre_hook(_fetch_module_inputs)
 
 
 def resolve(tree: Any, refs: list[_Ref], resolver: Any) -> Any:

@@ -125,7 +125,7 @@ class SMPStrategy(ParallelStrategy):
         remote_handles: a remote module call returns at once with a handle to its output, which stays on its stage
             until local code touches it; a later call on that stage takes it by reference, so a loop over remote
             blocks costs one-way messages (see :attr:`lightning_mp.SMPConfig.remote_handles`). ``False``: every
-            remote call waits for its outputs. ``None``: on unless ``tensor_parallel_degree > 1``.
+            remote call waits for its outputs.
         delayed_parameter_initialization: build the model of ``configure_model`` on meta; each rank allocates and
             initialises only its own stage, bitwise as an eager build (models built under
             ``lightning_mp.delay_param_initialization()`` or ``trainer.init_module(empty_init=True)`` are delayed
@@ -168,7 +168,7 @@ class SMPStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta = default_pg_timeout,
         deterministic_order: bool | None = None,
-        remote_handles: bool | None = None,
+        remote_handles: bool = True,
         start_method: Literal["popen", "spawn", "fork"] = "popen",
         save_distributed_checkpoint: bool = True,
         replan_on_resume: bool = False,
@@ -398,7 +398,7 @@ class SMPStrategy(ParallelStrategy):
             global_ranks=topology.pp_group_ranks(),
             order_transport=build_order_transport(topology, self.root_device, self.config),
             seed=int(os.environ.get("PL_GLOBAL_SEED", torch.initial_seed())),
-            remote_handles=self.config.effective_remote_handles,
+            remote_handles=self.config.remote_handles,
         )
 
     # ---- setup -----------------------------------------------------------------------------------------------
