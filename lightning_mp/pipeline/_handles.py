@@ -9,10 +9,10 @@ crosses to the caller only when local code touches it:
 
 - passing it to a local module (a global forward pre-hook fetches the handles among the arguments), any torch
   function or tensor method on it (``__torch_function__``), arithmetic, comparisons, ``bool()``, ``.item()``,
-  ``len()``, iteration, ``repr()``, in-place ops, and sending it to a third stage (the caller fetches it and sends
-  the data) all *fetch* it: one round trip, then the proxy holds the received value and behaves as it from then
-  on. ``isinstance(proxy, torch.Tensor)`` is ``False`` (a proxy claiming to be a tensor crashed torch's C++ argument
-  unpacking, e.g. in ``autograd.Function.apply``);
+  ``len()``, iteration, ``repr()``, ``isinstance()``, in-place ops, and sending it to a third stage (the caller
+  fetches it and sends the data) all *fetch* it: one round trip, then the proxy holds the received value and
+  behaves as it from then on. ``isinstance(proxy, torch.Tensor)`` stays ``False`` (a proxy claiming to be a tensor crashed torch's C++
+  argument unpacking, e.g. in ``autograd.Function.apply``);
 - ``proxy[int | str]`` is another proxy for that part of the value (``outputs[0]``, ``outputs["logits"]``), and
   needs nothing from the owner.
 
@@ -33,6 +33,7 @@ import operator
 import threading
 from typing import Any
 
+import torch
 from torch.utils import _pytree as pytree
 
 __all__ = ["RemoteValue", "materialize"]
@@ -79,9 +80,10 @@ class RemoteValue:
     """The output (or part of it: ``path``) of remote call ``call_id``, still on ``stage``.
 
     Behaves as the value itself wherever local code touches it, fetching it once at that moment (see [Note: remote
-    handles]). It is not a ``torch.Tensor`` (``isinstance`` says so without fetching): torch's C++ checks would take
-    a proxy that claimed to be one for a real tensor. So that code which needs a real tensor gets one, every call of
-    a local module fetches the handles among its arguments first (``materialize_module_inputs``).
+    handles]). ``isinstance`` fetches it and answers for the value's class, except that it is never a
+    ``torch.Tensor``: torch's C++ checks would take a proxy that claimed to be one for a real tensor. So that code
+    which needs a real tensor gets one, every call of a local module fetches the handles among its positional
+    arguments first (``materialize_module_inputs``).
     """
 
     def __init__(self, session: Any, stage: int, call_id: tuple[int, int], microbatch: int, path: tuple = (),
@@ -151,6 +153,14 @@ class RemoteValue:
         if name.startswith("_rv_"):  # not set yet (copy/unpickle of a bare instance)
             raise AttributeError(name)
         return getattr(self._rv_materialize(), name)
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        """The value's class, fetching it, so ``isinstance`` answers for a remote dict, tuple, dataclass, ...; but
+        never a tensor class: torch's C++ argument checks honour ``__class__`` and would read the proxy as a tensor
+        (that crashed ``autograd.Function.apply``), so for a tensor value this stays ``RemoteValue``."""
+        cls = type(self._rv_materialize())
+        return RemoteValue if issubclass(cls, torch.Tensor) else cls
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
