@@ -11,8 +11,8 @@ crosses to the caller only when local code touches it:
   function or tensor method on it (``__torch_function__``), arithmetic, comparisons, ``bool()``, ``.item()``,
   ``len()``, iteration, ``repr()``, ``isinstance()``, in-place ops, and sending it to a third stage (the caller
   fetches it and sends the data) all *fetch* it: one round trip, then the proxy holds the received value and
-  behaves as it from then on. ``isinstance(proxy, torch.Tensor)`` stays ``False`` (a proxy claiming to be a tensor crashed torch's C++
-  argument unpacking, e.g. in ``autograd.Function.apply``);
+  behaves as it from then on. ``isinstance(proxy, torch.Tensor)`` stays ``False`` (a proxy claiming to be a
+  tensor crashed torch's C++ argument unpacking, e.g. in ``autograd.Function.apply``);
 - ``proxy[int | str]`` is another proxy for that part of the value (``outputs[0]``, ``outputs["logits"]``), and
   needs nothing from the owner.
 
