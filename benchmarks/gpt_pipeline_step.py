@@ -2,18 +2,25 @@
 
 Measures forward+backward of one batch (no optimizer, no Lightning) so the table shows the engine itself:
 
-    python benchmarks/gpt_pipeline_step.py [--steps 20] [--microbatches 4] [--batch-size 32]
+    python benchmarks/gpt_pipeline_step.py [--model gpt|hf-gpt2] [--steps 20] [--microbatches 4] [--batch-size 32]
 
 Rows: one process with 1 and 2 intra-op threads (the peer: plain PyTorch), and the pipeline on 2 processes with
-1 thread each, for both schedules. "ideal" is the one-thread time / 2 stages x (M + 1) / M (a perfect 2-stage
-pipeline with its fill/drain bubble). Also printed: per-stage busy time (forward/backward spans of the engine's timeline) and the
-number of remote calls per step. Runs on CPU with gloo; the model is configs/gpt_single.yaml's.
+1 thread each, for both schedules, each with remote handles and "eager" (``remote_handles=False``: every remote
+call waits for its outputs, as before remote handles); the two variants of a schedule alternate step by step in
+the same pair of processes. "ideal" is the one-thread time / 2 stages x (M + 1) / M (a perfect 2-stage
+pipeline with its fill/drain bubble). Also printed: per-stage busy time (forward/backward spans of the engine's
+timeline), the number of remote calls per step, the driver's round trips per microbatch forward / backward
+(fetches or waiting calls / their backwards; one-way calls are not round trips) and the context switches per step
+of each process (``getrusage``, all threads). Runs on CPU with gloo; ``gpt`` is configs/gpt_single.yaml's model,
+``hf-gpt2`` Hugging Face's unmodified ``GPT2LMHeadModel`` (a ``for block in self.h`` loop over a ModuleList) of
+the same size.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -33,8 +40,19 @@ from lightning_mp.partition import plan, trace  # noqa: E402
 from lightning_mp.pipeline import PipelineEngine, split_microbatches  # noqa: E402
 
 
-def _model() -> GPT:
+MODEL = "gpt"
+
+
+def _model() -> torch.nn.Module:
     torch.manual_seed(0)
+    if MODEL == "hf-gpt2":
+        import transformers
+
+        config = transformers.GPT2Config(
+            vocab_size=256, n_positions=128, n_layer=4, n_head=4, n_embd=128, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, use_cache=False,
+        )
+        return transformers.GPT2LMHeadModel(config)
     return GPT(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128)
 
 
@@ -45,7 +63,7 @@ def _batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _loss(model: GPT, batch) -> torch.Tensor:
     x, y = batch
-    logits = model(x)  # (B, T, V)
+    logits = model(input_ids=x, use_cache=False).logits if MODEL == "hf-gpt2" else model(x)  # (B, T, V)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
@@ -70,47 +88,68 @@ def _transport(plane: str) -> Transport:
 
 
 def _pipeline_rank(
-    rank: int, init_file: str, out_dir: str, steps: int, microbatches: int, schedule: str, batch_size: int, plane: str
+    rank: int, init_file: str, out_dir: str, steps: int, microbatches: int, schedule: str, batch_size: int, plane: str,
+    model_name: str,
 ) -> None:
+    """Both variants (remote handles on, off) in the same two processes, alternating step by step."""
+    global MODEL
+    MODEL = model_name
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(minutes=5))
     try:
-        model, batch = _model(), _batch(batch_size)
+        batch = _batch(batch_size)
         parts = split_microbatches(batch, microbatches)
-        stage_of = plan(trace(model, lambda: _loss(model, parts[0])), 2).stage_of
-        engine = PipelineEngine(_transport(plane), 2, schedule=schedule)
-        engine.install(model, stage_of)
-        calls = [0]
-        call_remote = engine.call_remote
+        transport = _transport(plane)
+        variants = {}
+        for handles in (True, False):
+            model = _model()
+            stage_of = plan(trace(model, lambda model=model: _loss(model, parts[0])), 2).stage_of
+            engine = PipelineEngine(transport, 2, schedule=schedule, remote_handles=handles)
+            engine.install(model, stage_of)
+            calls = [0]
 
-        def counted(*args, **kwargs):
-            calls[0] += 1
-            return call_remote(*args, **kwargs)
+            def counted(*args, call_remote=engine.call_remote, calls=calls, **kwargs):
+                calls[0] += 1
+                return call_remote(*args, **kwargs)
 
-        engine.call_remote = counted
-        times, busy = [], []
+            engine.call_remote = counted
+            variants[handles] = (model, engine, calls, {"times": [], "busy": [], "switches": []})
         for _ in range(steps):
-            start = time.perf_counter()
-            engine.timeline.start()
-            with engine.session() as session:
-                if engine.is_driver:
-                    session.drive(lambda mb, i: _loss(model, mb), parts, loss_fn=lambda l: l / microbatches, backward=True)
-                    session.finish(None)
-                else:
-                    session.serve()
-            times.append(time.perf_counter() - start)
-            events = engine.timeline.stop()
-            busy.append(sum(e.duration_s for e in events if e.category in ("forward", "backward")))
-        torch.save({"times": times, "busy": busy, "calls": calls[0] / steps}, os.path.join(out_dir, f"{rank}.pt"))
+            for handles, (model, engine, calls, result) in variants.items():
+                dist.barrier()
+                usage = resource.getrusage(resource.RUSAGE_SELF)
+                start = time.perf_counter()
+                engine.timeline.start()
+                with engine.session() as session:
+                    if engine.is_driver:
+                        session.drive(
+                            lambda mb, i, model=model: _loss(model, mb), parts, loss_fn=lambda l: l / microbatches,
+                            backward=True,
+                        )
+                        session.finish(None)
+                    else:
+                        session.serve()
+                result["times"].append(time.perf_counter() - start)
+                after = resource.getrusage(resource.RUSAGE_SELF)
+                result["switches"].append(after.ru_nvcsw + after.ru_nivcsw - usage.ru_nvcsw - usage.ru_nivcsw)
+                events = engine.timeline.stop()
+                result["busy"].append(sum(e.duration_s for e in events if e.category in ("forward", "backward")))
+        out = {}
+        for handles, (model, engine, calls, result) in variants.items():
+            sent = engine.messages_sent
+            trips = ((sent["get"] + sent["fwd"]) / steps / microbatches, (sent["gbwd"] + sent["bwd"]) / steps / microbatches)
+            out[handles] = {**result, "calls": calls[0] / steps, "trips": trips}
+        torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
 def pipeline(steps: int, microbatches: int, schedule: str, batch_size: int, plane: str = "gloo") -> list[dict]:
+    """Per rank: {remote_handles: result}, both variants measured in one pair of processes."""
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(
             _pipeline_rank,
-            args=(os.path.join(tmp, "rdv"), tmp, steps, microbatches, schedule, batch_size, plane),
+            args=(os.path.join(tmp, "rdv"), tmp, steps, microbatches, schedule, batch_size, plane, MODEL),
             nprocs=2,
             join=True,
         )
@@ -123,7 +162,10 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--data-plane", choices=["gloo", "strict_mock"], default="gloo", help="lightning_mp's data plane")
+    parser.add_argument("--model", choices=["gpt", "hf-gpt2"], default="gpt")
     args = parser.parse_args()
+    global MODEL
+    MODEL = args.model
     warmup = max(2, args.steps // 5)
 
     def median_ms(values: list[float]) -> float:
@@ -131,19 +173,31 @@ def main() -> None:
 
     rows = []
     single = {t: median_ms(one_process(t, args.steps, args.batch_size)) for t in (1, 2)}
-    rows += [(f"one process, {t} thread{'s' if t > 1 else ''}", single[t], "", "") for t in (1, 2)]
+    rows += [(f"one process, {t} thread{'s' if t > 1 else ''}", single[t], "", "", "", "") for t in (1, 2)]
     m = args.microbatches
     ideal = single[1] / 2 * (m + 1) / m
-    rows.append((f"ideal 2-stage pipeline, M={m}", ideal, "", ""))
+    rows.append((f"ideal 2-stage pipeline, M={m}", ideal, "", "", "", ""))
     for schedule in ("interleaved", "simple"):
-        results = pipeline(args.steps, m, schedule, args.batch_size, args.data_plane)
-        busy = " / ".join(f"{median_ms(r['busy']):.0f}" for r in results)
-        rows.append((f"lightning_mp pp=2 {schedule}, M={m}", median_ms(results[0]["times"]), busy, f"{results[0]['calls']:.0f}"))
+        both = pipeline(args.steps, m, schedule, args.batch_size, args.data_plane)
+        for handles in (True, False):
+            results = [r[handles] for r in both]
+            busy = " / ".join(f"{median_ms(r['busy']):.0f}" for r in results)
+            trips = " / ".join(f"{t:.0f}" for t in results[0]["trips"])
+            switches = " / ".join(f"{statistics.median(r['switches'][warmup:]):.0f}" for r in results)
+            name = f"lightning_mp pp=2 {schedule}{'' if handles else ' eager'}, M={m}"
+            rows.append((name, median_ms(results[0]["times"]), busy, f"{results[0]['calls']:.0f}", trips, switches))
 
-    print(f"\nGPT (4 x 128, batch {args.batch_size}, seq 128), forward+backward, median of {args.steps - warmup} steps")
-    print(f"{'setup':<36} {'ms/step':>8} {'vs 2-thread':>11} {'% of ideal':>10} {'busy ms s0/s1':>14} {'remote calls':>12}")
-    for name, ms, busy, calls in rows:
-        print(f"{name:<36} {ms:8.1f} {single[2] / ms:10.2f}x {100 * ideal / ms:9.0f}% {busy:>14} {calls:>12}")
+    what = "HF GPT2LMHeadModel" if MODEL == "hf-gpt2" else "GPT"
+    print(f"\n{what} (4 x 128, batch {args.batch_size}, seq 128), forward+backward, median of {args.steps - warmup} steps")
+    print(
+        f"{'setup':<44} {'ms/step':>8} {'vs 2-thread':>11} {'% of ideal':>10} {'busy ms s0/s1':>14} {'remote calls':>12}"
+        f" {'round trips/mb f/b':>18} {'ctx sw/step r0/r1':>18}"
+    )
+    for name, ms, busy, calls, trips, switches in rows:
+        print(
+            f"{name:<44} {ms:8.1f} {single[2] / ms:10.2f}x {100 * ideal / ms:9.0f}% {busy:>14} {calls:>12} {trips:>18}"
+            f" {switches:>18}"
+        )
 
 
 if __name__ == "__main__":

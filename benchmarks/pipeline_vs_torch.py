@@ -11,6 +11,10 @@ Every method runs forward + backward of one batch (no optimizer step) with the M
 - ``lightning_mp simple`` / ``interleaved``: our module-server engine (``pipeline="simple"`` is GPipe with
   ``active_microbatches=M``, ``"interleaved"`` orders ready work as 1F1B would, with the default
   ``active_microbatches=pp+2``; ``interleaved a2`` caps it at ``pp``); the driver runs the loss on stage 0.
+- ``... loop``: the same blocks in an ``nn.ModuleList`` called from a Python loop (``for block in self.blocks:
+  x = block(x)``, as Hugging Face models are written), each remote block its own call; ``interl. loop eager`` is
+  that with ``remote_handles=False`` (every remote call waits for its outputs: one round trip per block, as
+  before remote handles).
 - ``torch GPipe`` / ``torch 1F1B``: ``torch.distributed.pipelining.ScheduleGPipe`` / ``Schedule1F1B`` over
   ``PipelineStage``s of the same two halves, the loss on the last stage.
 
@@ -19,7 +23,9 @@ per method and microbatch count); the table shows the median step time of rank 0
 ``one-process time / stages x (M + stages - 1) / M`` (perfect overlap, only the fill/drain bubble), and the
 peak activation memory per rank: the largest total size of tensors saved for backward (autograd's saved
 tensors, parameters excluded, counted through ``torch.autograd.graph.saved_tensors_hooks`` around every block)
-alive at once during a step.
+alive at once during a step, and each process's CPU time and context switches per step (``getrusage``, all its
+threads; rank 1 idles in a barrier during "one process"). On a loaded machine the wall times of all methods
+stretch; CPU time and context switches are the less load-sensitive measures of overhead.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -53,6 +60,9 @@ METHODS = (
     "lightning_mp simple",
     "lightning_mp interleaved",
     "lightning_mp interleaved a2",
+    "lightning_mp simple loop",
+    "lightning_mp interleaved loop",
+    "lightning_mp interl. loop eager",
     "torch GPipe",
     "torch 1F1B",
 )
@@ -76,6 +86,19 @@ class BlockStack(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.blocks(x)
+
+
+class BlockLoop(nn.Module):
+    """The same blocks called from a Python loop over an ``nn.ModuleList`` (as Hugging Face models do)."""
+
+    def __init__(self, dim: int, num_blocks: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([MLPBlock(dim) for _ in range(num_blocks)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
 
 
 class ActivationMeter:
@@ -143,7 +166,7 @@ def _batch(batch_size: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(batch_size, dim, generator=generator), torch.randn(batch_size, dim, generator=generator)
 
 
-def _ours_step(engine: PipelineEngine, model: BlockStack, parts: list) -> None:
+def _ours_step(engine: PipelineEngine, model: nn.Module, parts: list) -> None:
     num = len(parts)
     with engine.session() as session:
         if engine.is_driver:
@@ -177,10 +200,21 @@ def _rank(rank: int, init_file: str, out_dir: str, args: argparse.Namespace) -> 
         for fqn, _ in ours.blocks.named_modules():
             if fqn:
                 stage_of[f"blocks.{fqn}"] = 0 if int(fqn.split(".")[0]) < half else 1
-        engine = PipelineEngine(_transport(args.data_plane), STAGES, timeout_s=300)
+        transport = _transport(args.data_plane)
+        engine = PipelineEngine(transport, STAGES, timeout_s=300, remote_handles=True)
         engine.install(ours, stage_of)
+        looped = BlockLoop(args.dim, args.blocks)
+        looped.blocks.load_state_dict(reference.blocks.state_dict())
+        looped_eager = copy.deepcopy(looped)
+        loop_engine = PipelineEngine(transport, STAGES, timeout_s=300, remote_handles=True)
+        loop_engine.install(looped, stage_of)
+        eager_engine = PipelineEngine(transport, STAGES, timeout_s=300, remote_handles=False)
+        eager_engine.install(looped_eager, stage_of)
         meter = ActivationMeter()
-        meter.attach(list(ours.blocks) + list(halves[rank]) + (list(reference.blocks) if rank == 0 else []))
+        meter.attach(
+            list(ours.blocks) + list(looped.blocks) + list(looped_eager.blocks) + list(halves[rank])
+            + (list(reference.blocks) if rank == 0 else [])
+        )
         x, y = _batch(args.batch_size, args.dim)
 
         runners: dict[tuple[str, int], Callable[[], None]] = {}
@@ -190,11 +224,17 @@ def _rank(rank: int, init_file: str, out_dir: str, args: argparse.Namespace) -> 
                 ("lightning_mp simple", "simple", m),  # one wave: every forward, then every backward
                 ("lightning_mp interleaved", "interleaved", STAGES + 2),  # the default cap, pp + 2
                 ("lightning_mp interleaved a2", "interleaved", STAGES),  # active_microbatches = pp
+                ("lightning_mp simple loop", "simple", m),
+                ("lightning_mp interleaved loop", "interleaved", STAGES + 2),
+                ("lightning_mp interl. loop eager", "interleaved", STAGES + 2),
             ):
+                eng, model = {"loop": (loop_engine, looped), "eager": (eager_engine, looped_eager)}.get(
+                    name.split()[-1], (engine, ours)
+                )
 
-                def run(schedule=schedule, active=active, parts=parts) -> None:
-                    engine.schedule, engine.active_microbatches = schedule, active
-                    _ours_step(engine, ours, parts)
+                def run(schedule=schedule, active=active, parts=parts, eng=eng, model=model) -> None:
+                    eng.schedule, eng.active_microbatches = schedule, active
+                    _ours_step(eng, model, parts)
 
                 runners[(name, m)] = run
             for name, cls in (("torch GPipe", ScheduleGPipe), ("torch 1F1B", Schedule1F1B)):
@@ -216,19 +256,25 @@ def _rank(rank: int, init_file: str, out_dir: str, args: argparse.Namespace) -> 
             runners[("one process", m)] = single
 
         times: dict[tuple[str, int], list[float]] = {key: [] for key in runners}
+        cpu: dict[tuple[str, int], list[float]] = {key: [] for key in runners}
+        switches: dict[tuple[str, int], list[int]] = {key: [] for key in runners}
         peaks: dict[tuple[str, int], int] = {key: 0 for key in runners}
         for round_index in range(args.rounds + 1):  # round 0 warms every method up
             for key, run in runners.items():
                 for _ in range(1 if round_index == 0 else args.steps):
                     dist.barrier()
                     meter.reset()
+                    usage = resource.getrusage(resource.RUSAGE_SELF)
                     start = time.perf_counter()
                     run()
                     elapsed = time.perf_counter() - start
+                    after = resource.getrusage(resource.RUSAGE_SELF)
                     if round_index:
                         times[key].append(elapsed)
+                        cpu[key].append(after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime)
+                        switches[key].append(after.ru_nvcsw + after.ru_nivcsw - usage.ru_nvcsw - usage.ru_nivcsw)
                         peaks[key] = max(peaks[key], meter.peak)
-        torch.save({"times": times, "peaks": peaks}, os.path.join(out_dir, f"{rank}.pt"))
+        torch.save({"times": times, "peaks": peaks, "cpu": cpu, "switches": switches}, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -252,18 +298,29 @@ def main() -> None:
         f"\n{args.blocks} MLP blocks (dim {args.dim}, hidden {4 * args.dim}), batch {args.batch_size}, forward+backward,"
         f" {STAGES} stages on {STAGES} CPU processes (gloo, 1 thread each); median of {args.rounds * args.steps} steps"
     )
-    header = f"{'M':>2} {'method':<26} {'ms/step':>8} {'% of ideal':>10} {'vs torch best':>13} {'peak act MiB r0 / r1':>21}"
+    header = (
+        f"{'M':>2} {'method':<30} {'ms/step':>8} {'% of ideal':>10} {'ours / torch best':>17} {'peak act MiB r0 / r1':>21}"
+        f" {'CPU ms/step r0 / r1':>20} {'ctx sw/step r0 / r1':>20}"
+    )
     print(header)
     print("-" * len(header))
     for m in args.microbatches:
         median = {name: 1000 * statistics.median(results[0]["times"][(name, m)]) for name in METHODS}
         ideal = median["one process"] / STAGES * (m + STAGES - 1) / m
         torch_best = min(median["torch GPipe"], median["torch 1F1B"])
-        print(f"{m:>2} {'ideal (one process / 2 x (M+1)/M)':<26} {ideal:8.1f}")
+        print(f"{m:>2} {'ideal (one process / 2 x (M+1)/M)':<30} {ideal:8.1f}")
         for name in METHODS:
             peaks = " / ".join(f"{r['peaks'][(name, m)] / mib:.1f}" for r in results)
-            vs = f"{torch_best / median[name]:12.2f}x" if name != "one process" else ""
-            print(f"{m:>2} {name:<26} {median[name]:8.1f} {100 * ideal / median[name]:9.0f}% {vs:>13} {peaks:>21}")
+            vs = f"{median[name] / torch_best:16.2f}x" if name != "one process" else ""
+            cpu = " / ".join(f"{1000 * statistics.median(r['cpu'][(name, m)]):.0f}" for r in results)
+            switches = " / ".join(f"{statistics.median(r['switches'][(name, m)]):.0f}" for r in results)
+            print(
+                f"{m:>2} {name:<30} {median[name]:8.1f} {100 * ideal / median[name]:9.0f}% {vs:>17} {peaks:>21}"
+                f" {cpu:>20} {switches:>20}"
+            )
+        for schedule in ("simple", "interleaved"):
+            ratio = median[f"lightning_mp {schedule} loop"] / median[f"lightning_mp {schedule}"]
+            print(f"{m:>2} {schedule} ModuleList loop / Sequential: {ratio:.2f}x")
 
 
 if __name__ == "__main__":

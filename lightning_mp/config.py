@@ -104,6 +104,15 @@ class SMPConfig:
     Costs one small message per task from the leader; requires the replicas to make the same calls (no
     data-dependent control flow that differs between replicas). ``None``: on when ``tensor_parallel_degree > 1``."""
 
+    remote_handles: bool = False
+    """Experimental, off by default: a call into a module on another stage returns at once with a handle to its
+    output, which stays on that stage until local code touches it; a later call on the same stage takes it by
+    reference (``RemoteValue``, [Note: remote handles] in ``pipeline/_handles.py``). Known defects (README, "Known
+    limits"): calls of one microbatch may run out of order on their stage (dropout masks and BatchNorm statistics
+    then depend on the layout), a part of an output changed in place is not seen when the whole output goes back by
+    reference, a handle kept past its microbatch waits for the timeout. ``False``: every remote call waits for its
+    outputs."""
+
     delayed_parameter_initialization: bool = False
     """Build the model in ``configure_model`` without allocating parameters (SMP's
     ``delayed_parameter_initialization``): the trace runs on meta and each rank allocates and initialises only
@@ -157,7 +166,7 @@ class SMPConfig:
                 )
         if self.deterministic_order not in (None, True, False):
             raise ValueError(f"`deterministic_order` must be True, False or None, got {self.deterministic_order!r}.")
-        for name in ("delayed_parameter_initialization", "shard_optimizer_state", "release_host_memory"):
+        for name in ("delayed_parameter_initialization", "shard_optimizer_state", "release_host_memory", "remote_handles"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
         if self.data_plane not in ("auto", "gloo", "nccl"):

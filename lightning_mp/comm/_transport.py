@@ -57,7 +57,7 @@ class _Pickler(pickle.Pickler):
         self._index: dict[int, int] = {}
 
     def persistent_id(self, obj: Any) -> int | None:
-        if not isinstance(obj, torch.Tensor):
+        if not issubclass(type(obj), torch.Tensor):  # type(), not isinstance: a proxy's __class__ may fetch
             return None
         key = id(obj)
         if key not in self._index:

@@ -1,6 +1,7 @@
 """Module-server pipeline engine, schedules and microbatch split/merge. Torch only, no Lightning."""
 
 from lightning_mp.pipeline._engine import PipelineEngine, PipelineError, PipelineSession
+from lightning_mp.pipeline._handles import RemoteValue
 from lightning_mp.pipeline._microbatch import MicrobatchSplitError, merge_microbatches, split_microbatches
 
 __all__ = [
@@ -8,6 +9,7 @@ __all__ = [
     "PipelineEngine",
     "PipelineError",
     "PipelineSession",
+    "RemoteValue",
     "merge_microbatches",
     "split_microbatches",
 ]

@@ -2,8 +2,11 @@
 
 Every rank of a pipeline runs an execution server. Pipeline rank 0 (the *driver*) runs the user's step once
 per microbatch. A module placed on another stage has its ``forward`` replaced by a stub; calling it sends an
-execution request (module FQN, args, kwargs) to the owner, whose server runs the real module and replies with
-the outputs. Backward crosses ranks through :mod:`lightning_mp.comm._autograd` (see [Note: remote autograd]).
+execution request (module FQN, args, kwargs) to the owner, whose server runs the real module and keeps the
+outputs; the call returns at once with a :class:`~lightning_mp.pipeline.RemoteValue` handle, which a later call on
+that stage takes by reference and which fetches the value when local code touches it ([Note: remote handles] in
+``_handles.py``; ``remote_handles=False``: the owner replies with the outputs and the call waits for them).
+Backward crosses ranks through :mod:`lightning_mp.comm._autograd` (see [Note: remote autograd]).
 Because requests are made by ordinary Python calls, data-dependent branches, loops and calling one module
 several times keep working, and any stage may call any other.
 
@@ -22,6 +25,8 @@ One pipelined step is a :class:`PipelineSession`::
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import itertools
 import threading
 import time
@@ -37,6 +42,14 @@ from torch import nn
 
 from lightning_mp.comm import Message, Transport, connect_remote_outputs, pack
 from lightning_mp.pipeline._grads import OrderedGradients
+from lightning_mp.pipeline._handles import (
+    RemoteValue,
+    _PackingFor,
+    _unpacked,
+    materialize,
+    materialize_module_inputs,
+    resolve,
+)
 from lightning_mp.pipeline._rng import MicrobatchRNG, draws_no_random_numbers
 from lightning_mp.pipeline._scheduler import ComputeToken, GrantOrder, Priority
 from lightning_mp.pipeline._state import OrderedStateUpdates
@@ -54,11 +67,15 @@ class PipelineError(RuntimeError):
 
 @dataclass(frozen=True)
 class _Envelope:
-    kind: str  # "fwd" | "bwd" | "reply" | "error" | "end" | "close"
+    # "fwd" | "bwd": a call that waits for its outputs, and its backward; "call": a call that returns a handle
+    # ([Note: remote handles]); "get" | "gbwd": fetch a call's output, and the backward of that fetch;
+    # "reply" | "error" | "end" | "close"
+    kind: str
     step: str  # which session of which hook, e.g. "training_step#12": stages must agree
     call_id: tuple[int, int] | None = None
     body: Any = None
     microbatch: int = 0
+    done: tuple[int, ...] = ()  # microbatches the driver finished since its last message to this stage ("free")
 
 
 @dataclass(frozen=True)
@@ -158,6 +175,49 @@ class _RemoteBackward:
         return list(reply.obj.body)
 
 
+@dataclass
+class _SavedFetch:
+    """What an owner keeps of a fetched value until the backward of the fetch arrives."""
+
+    outputs: list[torch.Tensor]
+    microbatch: int
+    backed: bool = False  # a backward of it has run
+
+
+@dataclass
+class _FetchCount:
+    """Per microbatch on an owner: fetches with differentiable outputs whose backward has not come yet, and whether
+    any came from a stage other than the driver (see [Note: backward of fetches])."""
+
+    pending: int = 0
+    foreign: bool = False
+
+
+@dataclass
+class _FetchBackward:
+    """Caller side of a fetch's backward: output gradients to the owner, gradients of ``upstream`` back."""
+
+    session: PipelineSession
+    stage: int
+    fetch_id: tuple[int, int]
+    microbatch: int
+    label: str
+    upstream: list[tuple[tuple[int, int], int]]  # (call_id, how many caller tensors that call sent as data)
+
+    def run_backward(self, grad_outputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        task = _current_task() or _Task(self.microbatch, _BACKWARD)
+        body = (self.label, grad_outputs, [call_id for call_id, _ in self.upstream])
+        envelope = self.session.envelope("gbwd", self.fetch_id, body, self.microbatch)
+        reply = self.session.exchange(self.stage, envelope, task, f"backward of {self.label!r}")
+        grads: list[torch.Tensor | None] = []
+        for (call_id, count), part in zip(self.upstream, reply.obj.body):
+            if len(part) != count:
+                raise PipelineError(f"internal: the owner of {self.label!r} returned {len(part)} gradients of call"
+                                    f" {call_id}, expected {count}")
+            grads.extend(part)
+        return grads
+
+
 class PipelineEngine:
     """Runs one pipeline replica's steps: places modules, serves requests, drives microbatches.
 
@@ -175,6 +235,9 @@ class PipelineEngine:
             one: this rank orders its tasks alone. See [Note: deterministic order] in ``_scheduler.py``.
         seed: base seed of the per-microbatch random streams ([Note: microbatch RNG streams] in ``_rng.py``); the
             same on every rank. ``None``: ``torch.initial_seed()``.
+        remote_handles: a remote call returns at once with a :class:`~lightning_mp.pipeline.RemoteValue` that keeps
+            its output on the owner until local code touches it ([Note: remote handles] in ``_handles.py``).
+            ``False``: every remote call waits for its outputs (one round trip per call). The same on every stage.
     """
 
     def __init__(
@@ -189,8 +252,12 @@ class PipelineEngine:
         global_ranks: Sequence[int] | None = None,
         order_transport: Transport | None = None,
         seed: int | None = None,
+        remote_handles: bool = False,
     ) -> None:
         self.transport = transport
+        self.remote_handles = remote_handles
+        if remote_handles:
+            materialize_module_inputs()
         self.order_transport = order_transport if order_transport is not None and order_transport.size > 1 else None
         self.stage = transport.rank
         self.num_stages = num_stages
@@ -208,6 +275,8 @@ class PipelineEngine:
         self.rng = MicrobatchRNG(torch.initial_seed() if seed is None else seed)
         self.state_updates = OrderedStateUpdates(forward_context)
         self.gradients = OrderedGradients(_current_microbatch)
+        self.messages_sent: collections.Counter[str] = collections.Counter()
+        """Messages this rank sent, by kind ("call", "get", "gbwd", "fwd", "bwd", "reply", ...), over its lifetime."""
         self.timeline = TimelineRecorder()
         """Off by default; ``timeline.start()`` records every compute span and message (see ``_timeline.py``)."""
 
@@ -344,6 +413,8 @@ class PipelineEngine:
             finally:
                 self._session = None
                 self.rng.end_step()
+        if session._error is not None:  # e.g. a remote call whose output nobody touched failed after the step
+            raise PipelineError(str(session._error)) from session._error
 
     def call_remote(self, fqn: str, stage: int, args: tuple, kwargs: dict, span: tuple[int, int] | None = None) -> Any:
         """Run module ``fqn`` on ``stage`` with ``args``/``kwargs``; the stub of every remote module calls this.
@@ -360,6 +431,8 @@ class PipelineEngine:
             )
         grad_enabled = torch.is_grad_enabled()
         call_id = (self.stage, next(self._call_ids))
+        if self.remote_handles:
+            return session.call_async(stage, call_id, (fqn, args, kwargs, grad_enabled, span), task)
         envelope = session.envelope("fwd", call_id, (fqn, args, kwargs, grad_enabled, span), task.microbatch)
         packed = pack(envelope)
         grad_inputs = [t for t in packed.tensors if t.requires_grad] if grad_enabled else []
@@ -375,8 +448,9 @@ def _label(fqn: str, span: tuple[int, int] | None) -> str:
     return fqn if span is None else f"{fqn}[{span[0]}:{span[1]}]"
 
 
-# [Note: sequential runs] A Python loop over children (``for block in self.h: x = block(x)``) makes one round trip
-# per remote child, as the loop runs on the parent's stage. ``nn.Sequential.forward`` is such a loop that we can
+# [Note: sequential runs] A Python loop over children (``for block in self.h: x = block(x)``) makes one request
+# per remote child, as the loop runs on the parent's stage (with remote handles a one-way one; without, a round
+# trip). ``nn.Sequential.forward`` is such a loop that we can
 # see: when the children of a Sequential span stages, its forward is replaced (on its owner only) by one that
 # sends each maximal run of consecutive children living on one other stage as a single request, so stage 0
 # calling blocks 3..5 on stage 1 costs one round trip forward and one backward per microbatch, as in a
@@ -519,6 +593,17 @@ class PipelineSession:
         self._idle = threading.Condition(self._lock)  # notified when a served request has sent its reply
         self._futures: dict[tuple[int, int], _Future] = {}
         self._saved: dict[tuple[int, int], _SavedCall] = {}
+        # [Note: remote handles], owner side: outputs of "call" requests (as ("ok", value) or ("error", text)),
+        # the leaves each call made of the caller's data, fetched values (for their backward), and per microbatch
+        # what to drop when the driver says it is done.
+        self._outputs: dict[tuple[int, int], _Future] = {}
+        self._leaves: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._fetches: dict[tuple[int, int], _SavedFetch] = {}
+        self._of_microbatch: dict[int, list[tuple[int, int]]] = {}
+        self._fetch_counts: dict[int, _FetchCount] = {}
+        self._freed: set[int] = set()  # microbatches whose outputs this stage has dropped
+        self._closed = False
+        self._done_unsent: dict[int, list[int]] = {}  # driver: finished microbatches to tell each stage
         self._end = _Future()
         self._error: BaseException | None = None
         self._receivers: list[threading.Thread] = []
@@ -607,10 +692,24 @@ class PipelineSession:
             category = "forward" if task.phase == _FORWARD else "backward"
             self.timeline.record(category, task.label, task.microbatch, since)
 
-    def send(self, message: Any, peer: int, microbatch: int = 0) -> None:
-        """Send one message (an envelope or a packed one) to ``peer``, recording it on the timeline."""
+    def send(self, message: Any, peer: int, microbatch: int = 0, kind: str = "reply") -> None:
+        """Send one message (an envelope, or a packed one of ``kind``) to ``peer``, recording it on the timeline and
+        counting it in ``engine.messages_sent``."""
         start = time.perf_counter()
-        self.transport.send(message, peer)
+        kind = message.kind if isinstance(message, _Envelope) else kind
+        with self._lock:
+            self.engine.messages_sent[kind] += 1
+        if self._done_unsent and isinstance(message, _Envelope):  # no message of its own: it goes with the next
+            with self._lock:
+                done = self._done_unsent.pop(peer, None)
+            if done:
+                message = dataclasses.replace(message, done=message.done + tuple(done))
+        try:
+            self.transport.send(message, peer)
+        except TypeError:  # the message itself cannot be sent (``pack`` says why)
+            raise
+        except Exception as err:  # e.g. the peer died: a one-way "call" learns it here, so name the stage
+            raise PipelineError(f"Could not reach {self.engine.describe_stage(peer)}: {err}") from err
         self.timeline.record("send", f"to stage {peer}", microbatch, start)
 
     def start(self) -> None:
@@ -670,13 +769,20 @@ class PipelineSession:
         while joined < len(self._receivers):  # a listener that took a request started the next listener
             self._receivers[joined].join(self.engine.timeout_s if self._error is None else _POLL_S)
             joined += 1
+        with self._lock:
+            self._closed = True
+            self._outputs.clear()
+            self._leaves.clear()
+            self._fetches.clear()
+            self._of_microbatch.clear()
+            self._fetch_counts.clear()
 
     def _send_quietly(self, envelope: Any, peer: int, microbatch: int = 0) -> None:
         try:
             self.send(envelope, peer, microbatch)
         except Exception as err:  # the peer may be gone; the step is failing anyway
-            if self._error is None:
-                self.fail(PipelineError(f"Could not reach {self.engine.describe_stage(peer)}: {err}"))
+            if self._error is None:  # ``send`` names the stage already
+                self.fail(err)
 
     # ---- driver ----------------------------------------------------------------------------------------------
 
@@ -710,10 +816,13 @@ class PipelineSession:
                     outputs[index] = step_fn(microbatches[index], index)
                     loss = loss_fn(outputs[index]) if backward else None
                     if loss is None:
+                        outputs[index] = self._finish_microbatch(index, outputs[index])
                         if backward and forwards_done is not None:  # no backward here (num_tokens == 0): the
                             self.token.release()  # wave's other backwards still wait for this forward to arrive
                             forwards_done.arrive_and_wait()
                         return
+                    loss = materialize(loss)
+                    outputs[index] = materialize(outputs[index])
                     if forwards_done is not None:  # "simple": every forward of the wave first
                         self.token.release()
                         forwards_done.arrive_and_wait()
@@ -727,6 +836,7 @@ class PipelineSession:
                             self.engine.state_updates.finalize(index)
                             with torch.autograd.set_multithreading_enabled(False):  # [Note: backward on the calling thread]
                                 loss.backward()
+                            self._finish_microbatch(index, None)
                         finally:
                             self.token.release()
                 finally:
@@ -809,6 +919,7 @@ class PipelineSession:
     def _receive_loop(self, peer: int) -> None:
         self._enter_thread()  # copies out of the wire buffer run torch ops here too
         while True:
+            _unpacked.refs = refs = []  # references to this stage's outputs met while unpickling
             try:
                 message = self.transport.recv(peer)
             except Exception as err:
@@ -827,6 +938,8 @@ class PipelineSession:
                     )
                 )
                 return
+            for microbatch in envelope.done:
+                self._free(microbatch)
             if envelope.kind == "close":
                 return
             if envelope.kind in ("reply", "error"):
@@ -834,6 +947,8 @@ class PipelineSession:
                     future = self._futures.pop(envelope.call_id, None)
                 if future is not None:
                     future.set(message)
+                elif envelope.kind == "error":  # a "call" failed: nobody waits for it, the step fails
+                    self.fail(PipelineError(envelope.body))
             elif envelope.kind == "end":
                 self._end.set(message)
             else:
@@ -842,29 +957,45 @@ class PipelineSession:
                 with self._lock:
                     self._serving += 1
                 self._listen(peer)
-                self._serve_request(peer, message)
+                self._serve_request(peer, message, refs)
                 return
 
-    def _serve_request(self, peer: int, message: Message) -> None:
+    def _serve_request(self, peer: int, message: Message, refs: list | None = None) -> None:
         self._enter_thread()
         envelope: _Envelope = message.obj
-        phase = _FORWARD if envelope.kind == "fwd" else _BACKWARD
+        kind = envelope.kind
+        phase = _FORWARD if kind in ("fwd", "call", "get") else _BACKWARD
         fqn = envelope.body[0]
-        label = _label(fqn, envelope.body[-1] if phase == _FORWARD else None)
-        task = _Task(envelope.microbatch, phase, label, ident=("call", envelope.call_id, envelope.kind))
+        if kind in ("get", "gbwd"):
+            label = envelope.body[2] if kind == "get" else fqn
+        else:
+            label = _label(fqn, envelope.body[-1] if phase == _FORWARD else None)
+        task = _Task(envelope.microbatch, phase, label, ident=("call", envelope.call_id, kind))
+        reply: Any = None
         try:
-            with _as_task(task), self.token.hold(self.priority(task), self.grant_key(task)):
-                if envelope.kind == "fwd":
-                    reply = self._run_forward(envelope, message)
-                else:
-                    self.engine.state_updates.finalize(envelope.microbatch)
-                    reply = self._run_backward(envelope)
+            if kind == "get":  # no compute: sends a value that exists (or waits for it) without the token
+                with _as_task(task):
+                    reply = self._run_get(envelope)
+            else:
+                if kind == "call":
+                    self._await_outputs([(ref._rv_call_id, ref._rv_microbatch) for ref in refs or ()], label)
+                with _as_task(task), self.token.hold(self.priority(task), self.grant_key(task)):
+                    if kind == "fwd":
+                        reply = self._run_forward(envelope, message)
+                    elif kind == "call":
+                        self._run_call(envelope, message, refs or [])
+                    else:
+                        self.engine.state_updates.finalize(envelope.microbatch)
+                        reply = self._run_backward(envelope) if kind == "bwd" else self._run_fetch_backward(envelope)
         except BaseException as err:
             where = self.engine.describe_stage(self.engine.stage)
-            text = f"{where} failed running {fqn!r} for microbatch {envelope.microbatch}:\n{traceback.format_exc()}"
+            text = f"{where} failed running {label!r} for microbatch {envelope.microbatch}:\n{traceback.format_exc()}"
             body = str(err) if isinstance(err, PipelineError) else text
             reply = self.envelope("error", envelope.call_id, body, envelope.microbatch)
-        self._send_quietly(reply, peer, envelope.microbatch)
+            if kind == "call":
+                self._record_output(envelope.call_id, envelope.microbatch, ("error", body))
+        if reply is not None:
+            self._send_quietly(reply, peer, envelope.microbatch)
         with self._lock:
             self._serving -= 1
             self._idle.notify_all()
@@ -905,6 +1036,179 @@ class PipelineSession:
                 torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
         return self.envelope("reply", envelope.call_id, [leaf.grad for leaf in saved.leaves], envelope.microbatch)
 
+    # ---- remote handles, owner side ([Note: remote handles] in _handles.py) -----------------------------------
+
+    def _output_future(self, call_id: tuple[int, int]) -> _Future:
+        with self._lock:
+            future = self._outputs.get(call_id)
+            if future is None:
+                future = self._outputs[call_id] = _Future()
+            return future
+
+    def _record_output(self, call_id: tuple[int, int], microbatch: int, result: tuple[str, Any]) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._of_microbatch.setdefault(microbatch, []).append(call_id)
+        self._output_future(call_id).set(result)
+
+    def _check_kept(self, call_id: tuple[int, int], microbatch: int) -> None:
+        with self._lock:
+            if call_id not in self._outputs and microbatch in self._freed:
+                raise PipelineError(
+                    f"The output of a remote call of microbatch {microbatch} was used after that microbatch had"
+                    f" finished, and {self.engine.describe_stage(self.engine.stage)}, which computed it, has dropped"
+                    " it. Use a microbatch's values within its own step function, or return them from it."
+                )
+
+    def _await_outputs(self, call_ids: list[tuple[tuple[int, int], int]], what: str) -> None:
+        for call_id, microbatch in call_ids:
+            self._check_kept(call_id, microbatch)
+            self._output_future(call_id).wait(
+                self.engine.timeout_s, self.raise_if_failed, f"the output of an earlier call, for {what!r}"
+            )
+
+    def _resolve(self, call_id: tuple[int, int], path: tuple) -> Any:
+        """This stage's output of ``call_id``, then ``value[key]`` for each key of ``path``."""
+        status, value = self._output_future(call_id).wait(
+            self.engine.timeout_s, self.raise_if_failed, "the output of an earlier call"
+        )
+        if status != "ok":
+            raise PipelineError(value)
+        for key in path:
+            value = value[key]
+        return value
+
+    def _run_call(self, envelope: _Envelope, message: Message, refs: list) -> None:
+        fqn, args, kwargs, grad_enabled, span = envelope.body
+        leaves = []
+        if grad_enabled:
+            for tensor, requires_grad in zip(message.tensors, message.requires_grad):
+                if requires_grad:
+                    leaves.append(tensor.requires_grad_(True))
+        args, kwargs = resolve((args, kwargs), refs, self._resolve)
+        module = self.engine._modules[fqn]
+        if span is None and self.engine.stage_of(fqn) != self.engine.stage:
+            raise PipelineError(f"Module {fqn!r} was requested from stage {self.engine.stage} but lives elsewhere.")
+        with torch.set_grad_enabled(grad_enabled), self.engine.forward_context():
+            if span is None:
+                output = module(*args, **kwargs)
+            else:
+                (output,) = args
+                for child in list(module)[span[0] : span[1]]:
+                    output = child(output)
+        if leaves:
+            with self._lock:
+                self._leaves[envelope.call_id] = leaves
+        self._record_output(envelope.call_id, envelope.microbatch, ("ok", output))
+
+    def _run_get(self, envelope: _Envelope) -> Any:
+        call_id, path, label = envelope.body
+        self._check_kept(call_id, envelope.microbatch)
+        value = self._resolve(call_id, path)
+        with _PackingFor(self, None):  # remote values inside it are fetched here and sent as data
+            reply = pack(self.envelope("reply", envelope.call_id, value, envelope.microbatch))
+        outputs = [t for t in reply.tensors if t.requires_grad and _differentiable(t)]
+        if outputs:
+            with self._lock:
+                self._fetches[envelope.call_id] = _SavedFetch(outputs, envelope.microbatch)
+                self._of_microbatch.setdefault(envelope.microbatch, []).append(envelope.call_id)
+                count = self._fetch_counts.setdefault(envelope.microbatch, _FetchCount())
+                count.pending += 1
+                count.foreign = count.foreign or envelope.call_id[0] != 0
+        return reply
+
+    def _run_fetch_backward(self, envelope: _Envelope) -> _Envelope:
+        label, grad_outputs, upstream = envelope.body
+        with self._lock:
+            saved = self._fetches[envelope.call_id]
+            count = self._fetch_counts.setdefault(saved.microbatch, _FetchCount())
+            if not saved.backed:
+                saved.backed = True
+                count.pending -= 1
+            retain = count.foreign or count.pending > 0
+        pairs = [(out, grad) for out, grad in zip(saved.outputs, grad_outputs) if grad is not None]
+        if pairs:
+            # [Note: backward of fetches] Fetches of one microbatch can share a part of this stage's graph (a value
+            # fetched midway through a chain, then the chain's end; two parts of one output fetched apart), so the
+            # graph is kept while another fetch of the microbatch awaits its backward. A fetch that a stage other
+            # than the driver made can moreover be backed through once per backward of that stage's graph that
+            # passes it (its owner gets partial gradients, which add up as one backward would): then the graph is
+            # kept until the driver finishes the microbatch (``_free``). The driver runs one backward per
+            # microbatch, so each of its fetches is backed through once, and the last frees the graph as it goes.
+            with torch.autograd.set_multithreading_enabled(False):  # [Note: backward on the calling thread]
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], retain_graph=retain)
+        grads = []
+        for call_id in upstream:
+            with self._lock:
+                leaves = self._leaves.get(call_id, [])
+            grads.append([leaf.grad for leaf in leaves])
+            for leaf in leaves:
+                leaf.grad = None  # what the next fetch of this chain returns is its own share only
+        return self.envelope("reply", envelope.call_id, grads, envelope.microbatch)
+
+    def _free(self, microbatch: int) -> None:
+        """The driver finished ``microbatch``: drop this stage's outputs, leaves and fetches of it."""
+        with self._lock:
+            self._freed.add(microbatch)
+            for call_id in self._of_microbatch.pop(microbatch, ()):
+                self._outputs.pop(call_id, None)
+                self._leaves.pop(call_id, None)
+                self._fetches.pop(call_id, None)
+            self._fetch_counts.pop(microbatch, None)
+
+    # ---- remote handles, caller side ----------------------------------------------------------------------------
+
+    def call_async(self, stage: int, call_id: tuple[int, int], body: tuple, task: _Task) -> RemoteValue:
+        """Send a "call" request and return a handle to its output at once ([Note: remote handles])."""
+        self.raise_if_failed()
+        fqn, _, _, grad_enabled, span = body
+        with _PackingFor(self, stage) as packing:
+            packed = pack(self.envelope("call", call_id, body, task.microbatch))
+        upstream: dict[tuple[int, int], list[torch.Tensor]] = {}
+        for ref in packing.refs:
+            upstream.update(ref._rv_upstream)
+        grad_inputs = [t for t in packed.tensors if t.requires_grad] if grad_enabled else []
+        if grad_inputs:
+            upstream[call_id] = grad_inputs
+        self.send(packed, stage, task.microbatch, kind="call")
+        handle = RemoteValue(self, stage, call_id, task.microbatch, upstream=upstream, label=_label(fqn, span))
+        handle._rv_grad_enabled = grad_enabled
+        return handle
+
+    def fetch(self, handle: RemoteValue) -> Any:
+        """Bring the value behind ``handle`` here: one round trip to its owner, connected to autograd."""
+        label = handle._rv_label
+        if handle._rv_session is not self or self._closed:
+            raise PipelineError(
+                f"The output of {label!r} (computed on {self.engine.describe_stage(handle._rv_stage)}) was touched"
+                " after its pipelined step ended; only values returned by the step are fetched for you."
+            )
+        task = _current_task() or _Task(handle._rv_microbatch, _FORWARD)
+        fetch_id = (self.engine.stage, next(self.engine._call_ids))
+        body = (handle._rv_call_id, handle._rv_path, label)
+        envelope = self.envelope("get", fetch_id, body, handle._rv_microbatch)
+        reply = self.exchange(handle._rv_stage, envelope, task, f"the output of {label!r}")
+        outputs = [t for t, rg in zip(reply.tensors, reply.requires_grad) if rg and _differentiable(t)]
+        if outputs and handle._rv_grad_enabled and not torch.is_inference_mode_enabled():
+            upstream = handle._rv_upstream
+            grad_inputs = [t for tensors in upstream.values() for t in tensors]
+            call = _FetchBackward(self, handle._rv_stage, fetch_id, handle._rv_microbatch, label,
+                                  [(call_id, len(tensors)) for call_id, tensors in upstream.items()])
+            with torch.enable_grad():  # the call ran with grad: connect even if touched under no_grad
+                connect_remote_outputs(call, grad_inputs, outputs)
+        return reply.obj.body
+
+    def _finish_microbatch(self, index: int, output: Any) -> Any:
+        """Driver: fetch the remote values a step returned, then let every stage drop the microbatch's outputs."""
+        output = materialize(output)
+        if self.engine.remote_handles:
+            with self._lock:
+                for peer in self.peers:
+                    self._done_unsent.setdefault(peer, []).append(index)
+            self._free(index)
+        return output
+
     # ---- caller side -----------------------------------------------------------------------------------------
 
     def exchange(
@@ -917,7 +1221,7 @@ class PipelineSession:
         with self._lock:
             self._futures[call_id] = future
         with self.token.paused(self.priority(task), self.grant_key(task)):
-            self.send(request, stage, task.microbatch)
+            self.send(request, stage, task.microbatch, kind="fwd")
             message: Message = future.wait(
                 self.engine.timeout_s, self.raise_if_failed, f"{what} on {self.engine.describe_stage(stage)}"
             )

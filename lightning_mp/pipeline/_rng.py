@@ -78,7 +78,8 @@ def draws_no_random_numbers(module: nn.Module) -> bool:
     """
     from torch.nn.modules import module as module_globals  # noqa: PLC0415
 
-    if module_globals._global_forward_pre_hooks or module_globals._global_forward_hooks:
+    hooks = [*module_globals._global_forward_pre_hooks.values(), *module_globals._global_forward_hooks.values()]
+    if any(not getattr(hook, "draws_no_random_numbers", False) for hook in hooks):  # ours say so (remote handles')
         return False
     return all(
         type(m) in _DRAW_FREE_CLASSES and "forward" not in vars(m) and not m._forward_pre_hooks and not m._forward_hooks

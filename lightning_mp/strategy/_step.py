@@ -27,6 +27,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torchmetrics import Metric
 
+from lightning_mp.pipeline._handles import materialize
 from lightning_mp.strategy._metrics import (
     MetricCalls,
     MetricLog,
@@ -150,6 +151,7 @@ class LogRecorder:
 
 def _loggable_value(value: Any) -> Any:
     """A tensor or number for one microbatch (``Metric`` objects are recorded apart, see ``_metrics``)."""
+    value = materialize(value)  # the output of a remote call, still on its stage: fetch it
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()
     if isinstance(value, (int, float, bool)):

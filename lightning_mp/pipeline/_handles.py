@@ -1,0 +1,315 @@
+"""Outputs of remote calls that stay on the stage that made them ([Note: remote handles]).
+
+[Note: remote handles] A call into a module on another stage sends its request and returns at once with a
+:class:`RemoteValue`: a proxy for the output, which stays on the stage that computed it. Passing the proxy to a
+later call on the *same* stage sends a reference (``_Ref``) instead of the data, and the owner resolves it to the
+very object its earlier call returned, so a Python loop over remote blocks (``for block in self.h: x = block(x)``)
+costs one one-way message per block, and the blocks' autograd graph stays on the owner in one piece. The value
+crosses to the caller only when local code touches it:
+
+- passing it to a local module (a global forward pre-hook fetches the handles among the arguments), any torch
+  function or tensor method on it (``__torch_function__``), arithmetic, comparisons, ``bool()``, ``.item()``,
+  ``len()``, iteration, ``repr()``, ``isinstance()``, in-place ops, and sending it to a third stage (the caller
+  fetches it and sends the data) all *fetch* it: one round trip, then the proxy holds the received value and
+  behaves as it from then on. ``isinstance(proxy, torch.Tensor)`` stays ``False`` (a proxy claiming to be a
+  tensor crashed torch's C++ argument unpacking, e.g. in ``autograd.Function.apply``);
+- ``proxy[int | str]`` is another proxy for that part of the value (``outputs[0]``, ``outputs["logits"]``), and
+  needs nothing from the owner.
+
+A fetched value is an ordinary received tensor (structure) whose differentiable tensors are connected to the
+caller's autograd graph by one remote node ([Note: remote autograd] in ``comm/_autograd.py``): its inputs are every
+tensor the caller sent, as data, into the chain of calls that made the value, and its backward sends the output
+gradients to the owner, which runs backward through the whole chain and returns the gradients of those inputs.
+So a loop of ``k`` remote blocks ending in a fetch costs ``k`` one-way requests and one round trip forward, and
+one round trip backward.
+
+The owner keeps the value until the microbatch that made it has finished on the driver (or the step ends).
+Python that inspects a value still works; it just pays for the fetch where it inspects.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+__all__ = ["RemoteValue", "materialize"]
+
+_packing = threading.local()  # set while a request is packed for one stage: which handles may go as references
+
+
+class _PackingFor:
+    """While active, ``RemoteValue``s owned by ``stage`` and not yet fetched pickle as references (``refs``)."""
+
+    def __init__(self, session: Any, stage: int | None) -> None:
+        self.session, self.stage = session, stage
+        self.refs: list[RemoteValue] = []
+
+    def __enter__(self) -> _PackingFor:
+        self.previous = getattr(_packing, "current", None)
+        _packing.current = self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _packing.current = self.previous
+
+
+_unpacked = threading.local()  # references met while unpickling a message on this thread
+
+
+def _make_ref(call_id: tuple[int, int], path: tuple, microbatch: int) -> _Ref:
+    ref = _Ref(call_id, path, microbatch)
+    refs = getattr(_unpacked, "refs", None)
+    if refs is not None:
+        refs.append(ref)
+    return ref
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def _step(value: Any, key: Any) -> Any:
+    return value[key]
+
+
+class RemoteValue:
+    """The output (or part of it: ``path``) of remote call ``call_id``, still on ``stage``.
+
+    Behaves as the value itself wherever local code touches it, fetching it once at that moment (see [Note: remote
+    handles]). ``isinstance`` fetches it and answers for the value's class, except that it is never a
+    ``torch.Tensor``: torch's C++ checks would take a proxy that claimed to be one for a real tensor. So that code
+    which needs a real tensor gets one, every call of a local module fetches the handles among its positional
+    arguments first (``materialize_module_inputs``).
+    """
+
+    def __init__(self, session: Any, stage: int, call_id: tuple[int, int], microbatch: int, path: tuple = (),
+                 parent: RemoteValue | None = None, upstream: dict | None = None, label: str = "") -> None:
+        self._rv_session = session
+        self._rv_stage = stage
+        self._rv_call_id = call_id
+        self._rv_microbatch = microbatch
+        self._rv_path = path
+        self._rv_parent = parent
+        self._rv_upstream = upstream if upstream is not None else {}  # call_id -> caller tensors sent as data
+        self._rv_label = label
+        self._rv_grad_enabled = parent._rv_grad_enabled if parent is not None else True  # the call's grad mode
+        self._rv_fetched = False
+        self._rv_value: Any = None
+        self._rv_children: dict[Any, RemoteValue] = {}
+        self._rv_lock = threading.Lock()
+
+    # ---- fetching -------------------------------------------------------------------------------------------
+
+    def _rv_materialize(self) -> Any:
+        if self._rv_fetched:
+            return self._rv_value
+        with self._rv_lock:
+            if not self._rv_fetched:
+                parent = self._rv_parent
+                if parent is not None and parent._rv_fetched:
+                    value = _step(parent._rv_value, self._rv_path[-1])
+                else:
+                    value = self._rv_session.fetch(self)
+                self._rv_value, self._rv_fetched = value, True
+        return self._rv_value
+
+    def _rv_only_remote(self) -> bool:
+        """Not fetched, nor any value it is a part of (a fetched value may have been changed here in place)."""
+        node: RemoteValue | None = self
+        while node is not None:
+            if node._rv_fetched:
+                return False
+            node = node._rv_parent
+        return True
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        packing = getattr(_packing, "current", None)
+        if packing is not None and packing.stage == self._rv_stage and self._rv_only_remote():
+            packing.refs.append(self)
+            return (_make_ref, (self._rv_call_id, self._rv_path, self._rv_microbatch))
+        return (_identity, (self._rv_materialize(),))
+
+    # ---- parts without fetching -----------------------------------------------------------------------------
+
+    def __getitem__(self, key: Any) -> Any:
+        if self._rv_fetched or type(key) not in (int, str):
+            return self._rv_materialize()[key]
+        with self._rv_lock:
+            child = self._rv_children.get(key)
+            if child is None:
+                child = self._rv_children[key] = type(self)(
+                    self._rv_session, self._rv_stage, self._rv_call_id, self._rv_microbatch, self._rv_path + (key,),
+                    self, self._rv_upstream, self._rv_label,
+                )
+        return child
+
+    # ---- everything else fetches ----------------------------------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_rv_"):  # not set yet (copy/unpickle of a bare instance)
+            raise AttributeError(name)
+        return getattr(self._rv_materialize(), name)
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        """The value's class, fetching it, so ``isinstance`` answers for a remote dict, tuple, dataclass, ...; but
+        never a tensor class: torch's C++ argument checks honour ``__class__`` and would read the proxy as a tensor
+        (that crashed ``autograd.Function.apply``), so for a tensor value this stays ``RemoteValue``."""
+        cls = type(self._rv_materialize())
+        return RemoteValue if issubclass(cls, torch.Tensor) else cls
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        return func(*materialize(args), **materialize(kwargs or {}))
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._rv_materialize()[key] = materialize(value)
+
+    def __len__(self) -> int:
+        return len(self._rv_materialize())
+
+    def __iter__(self) -> Any:
+        return iter(self._rv_materialize())
+
+    def __contains__(self, item: Any) -> bool:
+        return item in self._rv_materialize()
+
+    def __bool__(self) -> bool:
+        return bool(self._rv_materialize())
+
+    def __repr__(self) -> str:
+        return repr(self._rv_materialize())
+
+    def __str__(self) -> str:
+        return str(self._rv_materialize())
+
+    def __format__(self, spec: str) -> str:
+        return format(self._rv_materialize(), spec)
+
+    def __float__(self) -> float:
+        return float(self._rv_materialize())
+
+    def __int__(self) -> int:
+        return int(self._rv_materialize())
+
+    def __index__(self) -> int:
+        return operator.index(self._rv_materialize())
+
+    def __complex__(self) -> complex:
+        return complex(self._rv_materialize())
+
+    def __hash__(self) -> int:
+        return object.__hash__(self)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._rv_materialize()(*args, **kwargs)
+
+    def __array__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._rv_materialize().__array__(*args, **kwargs)
+
+
+def _binary(name: str) -> Any:
+    def method(self: RemoteValue, other: Any) -> Any:
+        return getattr(self._rv_materialize(), name)(materialize(other))
+
+    method.__name__ = name
+    return method
+
+
+def _unary(name: str) -> Any:
+    def method(self: RemoteValue) -> Any:
+        return getattr(self._rv_materialize(), name)()
+
+    method.__name__ = name
+    return method
+
+
+for _op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor", "lshift", "rshift"):
+    for _name in (f"__{_op}__", f"__r{_op}__", f"__i{_op}__"):
+        setattr(RemoteValue, _name, _binary(_name))
+for _name in ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__divmod__", "__rdivmod__"):
+    setattr(RemoteValue, _name, _binary(_name))
+for _name in ("__neg__", "__pos__", "__abs__", "__invert__", "__round__", "__trunc__", "__floor__", "__ceil__"):
+    setattr(RemoteValue, _name, _unary(_name))
+
+
+class _Ref(RemoteValue):
+    """On the owner: a reference to one of its own call outputs, as it arrived in a request.
+
+    The engine replaces references in the request's arguments by the values before it runs the module (see
+    ``resolve``); one left inside an object it cannot walk resolves the same way when touched.
+    """
+
+    def __init__(self, call_id: tuple[int, int], path: tuple, microbatch: int) -> None:
+        self._rv_call_id = call_id
+        self._rv_path = path
+        self._rv_microbatch = microbatch
+        self._rv_fetched = False
+        self._rv_value = None
+        self._rv_resolver = None
+        self._rv_lock = threading.Lock()
+
+    def _rv_materialize(self) -> Any:
+        if not self._rv_fetched:
+            if self._rv_resolver is None:
+                raise RuntimeError("internal: a reference to a remote output was touched before it was resolved")
+            self._rv_value, self._rv_fetched = self._rv_resolver(self._rv_call_id, self._rv_path), True
+        return self._rv_value
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        return (_identity, (self._rv_materialize(),))
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._rv_materialize()[key]
+
+
+def _is_remote(value: Any) -> bool:
+    return isinstance(type(value), type) and issubclass(type(value), RemoteValue)
+
+
+def materialize(tree: Any) -> Any:
+    """``tree`` (tuples, lists, dicts, and what else ``torch.utils._pytree`` walks) with every :class:`RemoteValue`
+    replaced by its value (fetched where needed)."""
+    if _is_remote(tree):
+        return tree._rv_materialize()
+    if type(tree) in (tuple, list, dict) and not tree:
+        return tree
+    return pytree.tree_map(lambda v: v._rv_materialize() if _is_remote(v) else v, tree, is_leaf=_is_remote)
+
+
+def _fetch_module_inputs(module: Any, args: tuple) -> tuple | None:
+    """Global forward pre-hook: a local module gets values, not handles, as its positional arguments (torch's global
+    pre-hooks see no keyword arguments; handles there, or deeper in containers, fetch when touched)."""
+    if any(_is_remote(a) for a in args):
+        return tuple(a._rv_materialize() if _is_remote(a) else a for a in args)
+    return None
+
+
+_fetch_module_inputs.draws_no_random_numbers = True  # type: ignore[attr-defined]  # see pipeline/_rng.py
+
+_hook_lock = threading.Lock()
+_hook_handle: Any = None
+
+
+def materialize_module_inputs() -> None:
+    """Install (once per process) the global forward pre-hook that fetches handles passed to local modules. Remote
+    modules' stubs replace ``__call__`` and skip module hooks, so their handle arguments still go as references."""
+    global _hook_handle
+    with _hook_lock:
+        if _hook_handle is None:
+            from torch.nn.modules.module import register_module_forward_pre_hook
+
+            _hook_handle = register_module_forward_pre_hook(_fetch_module_inputs)
+
+
+def resolve(tree: Any, refs: list[_Ref], resolver: Any) -> Any:
+    """Owner side: give every reference its resolver, and replace those that ``tree``'s containers hold."""
+    if not refs:
+        return tree
+    for ref in refs:
+        ref._rv_resolver = resolver
+    return materialize(tree)
