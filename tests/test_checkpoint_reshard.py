@@ -83,7 +83,21 @@ def _strategy(pp: int = 1, tp: int = 1, **kwargs):
 
 def _fit(model_cls, out_dir, devices: int, strategy=None, steps: int = STEPS, ckpt_dir=None, ckpt_path=None):
     """Fit ``steps`` steps; returns each rank's record. ``ckpt_dir``: save ``last`` there every ``STEPS`` steps."""
-    torch.set_num_threads(1)  # before forking (a forked child can hang in OpenMP otherwise)
+    # before forking: one intra-op thread here and in the children (a forked child raised to more threads, as the
+    # ddp thread policy does for a one-process run, hangs in libgomp once this process has used its OpenMP pool)
+    torch.set_num_threads(1)
+    previous = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        return _fit_in(model_cls, out_dir, devices, strategy, steps, ckpt_dir, ckpt_path)
+    finally:
+        if previous is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = previous
+
+
+def _fit_in(model_cls, out_dir, devices, strategy, steps, ckpt_dir, ckpt_path):
     os.makedirs(out_dir, exist_ok=True)
     torch.manual_seed(0)
     callbacks = [Record(str(out_dir))]
