@@ -540,6 +540,11 @@ class _CallHooks:
             self.engine.rng.exit()
 
 
+def _received_leaves(message: Message) -> list[torch.Tensor]:
+    """The received tensors that the sender's graph needs gradients for, made leaves of this stage's graph."""
+    return [t.requires_grad_(True) for t, requires_grad in zip(message.tensors, message.requires_grad) if requires_grad]
+
+
 def _differentiable(tensor: torch.Tensor) -> bool:
     return tensor.is_floating_point() or tensor.is_complex()
 
@@ -1001,23 +1006,23 @@ class PipelineSession:
             self._idle.notify_all()
             self._last_heard = time.monotonic()
 
-    def _run_forward(self, envelope: _Envelope, message: Message) -> _Envelope:
-        fqn, args, kwargs, grad_enabled, span = envelope.body
-        leaves = []
-        if grad_enabled:
-            for tensor, requires_grad in zip(message.tensors, message.requires_grad):
-                if requires_grad:
-                    leaves.append(tensor.requires_grad_(True))
+    def _call_module(self, fqn: str, args: tuple, kwargs: dict, grad_enabled: bool, span: tuple | None) -> Any:
+        """Run the requested module (or the ``span`` of a Sequential's children) on this stage."""
         module = self.engine._modules[fqn]
         if span is None and self.engine.stage_of(fqn) != self.engine.stage:
             raise PipelineError(f"Module {fqn!r} was requested from stage {self.engine.stage} but lives elsewhere.")
         with torch.set_grad_enabled(grad_enabled), self.engine.forward_context():
             if span is None:
-                output = module(*args, **kwargs)
-            else:
-                (output,) = args
-                for child in list(module)[span[0] : span[1]]:
-                    output = child(output)
+                return module(*args, **kwargs)
+            (output,) = args
+            for child in list(module)[span[0] : span[1]]:
+                output = child(output)
+            return output
+
+    def _run_forward(self, envelope: _Envelope, message: Message) -> _Envelope:
+        fqn, args, kwargs, grad_enabled, span = envelope.body
+        leaves = _received_leaves(message) if grad_enabled else []
+        output = self._call_module(fqn, args, kwargs, grad_enabled, span)
         reply = pack(self.envelope("reply", envelope.call_id, output, envelope.microbatch))
         if grad_enabled:
             outputs = [t for t in reply.tensors if t.requires_grad and _differentiable(t)]
@@ -1081,22 +1086,9 @@ class PipelineSession:
 
     def _run_call(self, envelope: _Envelope, message: Message, refs: list) -> None:
         fqn, args, kwargs, grad_enabled, span = envelope.body
-        leaves = []
-        if grad_enabled:
-            for tensor, requires_grad in zip(message.tensors, message.requires_grad):
-                if requires_grad:
-                    leaves.append(tensor.requires_grad_(True))
+        leaves = _received_leaves(message) if grad_enabled else []
         args, kwargs = resolve((args, kwargs), refs, self._resolve)
-        module = self.engine._modules[fqn]
-        if span is None and self.engine.stage_of(fqn) != self.engine.stage:
-            raise PipelineError(f"Module {fqn!r} was requested from stage {self.engine.stage} but lives elsewhere.")
-        with torch.set_grad_enabled(grad_enabled), self.engine.forward_context():
-            if span is None:
-                output = module(*args, **kwargs)
-            else:
-                (output,) = args
-                for child in list(module)[span[0] : span[1]]:
-                    output = child(output)
+        output = self._call_module(fqn, args, kwargs, grad_enabled, span)
         if leaves:
             with self._lock:
                 self._leaves[envelope.call_id] = leaves

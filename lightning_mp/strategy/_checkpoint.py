@@ -109,6 +109,21 @@ def _shardings(model: nn.Module) -> dict[str, _Sharding]:
     return found
 
 
+def _local_shard(key: str, value: Any, shardings: Mapping[str, _Sharding], flat: bool) -> _Sharding | None:
+    """The sharding of ``key`` when ``value`` is this rank's tp shard of it (a parameter, or optimizer state of its
+    shape); ``flat``: ``key`` is an optimizer key (``state.<fqn>.<name>``)."""
+    fqn = key
+    if flat:
+        section, _, rest = key.partition(".")
+        fqn = rest.rpartition(".")[0] if section == "state" else ""
+    sharding = shardings.get(fqn)
+    if sharding is not None and isinstance(value, Tensor) and value.dim() > sharding.spec.dim and (
+        value.size(sharding.spec.dim) == sharding.spec.local_size(sharding.size)
+    ):
+        return sharding
+    return None
+
+
 def _as_pieces(state: dict[str, Any], shardings: Mapping[str, _Sharding], flat: bool = False) -> dict[str, Any]:
     """``state`` with each tp shard (a parameter, or optimizer state of its shape) as a view of its piece of the
     full tensor (see [Note: shards in checkpoints] in ``_shards.py``); ``flat``: optimizer keys."""
@@ -116,14 +131,8 @@ def _as_pieces(state: dict[str, Any], shardings: Mapping[str, _Sharding], flat: 
         return state
     out = {}
     for key, value in state.items():
-        fqn = key
-        if flat:
-            section, _, rest = key.partition(".")
-            fqn = rest.rpartition(".")[0] if section == "state" else ""
-        sharding = shardings.get(fqn)
-        if sharding is not None and isinstance(value, Tensor) and value.dim() > sharding.spec.dim and (
-            value.size(sharding.spec.dim) == sharding.spec.local_size(sharding.size)
-        ):
+        sharding = _local_shard(key, value, shardings, flat)
+        if sharding is not None:
             value = sharded_view(value, sharding.spec, sharding.rank, sharding.size, sharding.group)
         out[key] = value
     return out
@@ -546,14 +555,8 @@ def gather_tp_shards(state: dict[str, Any], model: nn.Module, flat: bool = False
     out = {}
     for key in sorted(state):
         value = state[key]
-        fqn = key
-        if flat:
-            section, _, rest = key.partition(".")
-            fqn = rest.rpartition(".")[0] if section == "state" else ""
-        sharding = shardings.get(fqn)
-        if sharding is not None and isinstance(value, Tensor) and value.dim() > sharding.spec.dim and (
-            value.size(sharding.spec.dim) == sharding.spec.local_size(sharding.size)
-        ):
+        sharding = _local_shard(key, value, shardings, flat)
+        if sharding is not None:
             local = value.detach().to(device).contiguous()
             pieces = [torch.empty_like(local) for _ in range(sharding.size)]
             dist.all_gather(pieces, local, group=sharding.group)
