@@ -606,7 +606,11 @@ class PipelineSession:
         self._fetches: dict[tuple[int, int], _SavedFetch] = {}
         self._of_microbatch: dict[int, list[tuple[int, int]]] = {}
         self._fetch_counts: dict[int, _FetchCount] = {}
-        self._freed: set[int] = set()  # microbatches whose outputs this stage has dropped
+        self._freed: set[int] = set()  # microbatches the driver has finished (their outputs dropped, or about to be)
+        # [Note: one microbatch's requests run in arrival order] per (caller stage, microbatch): the future the last
+        # request received from there sets when it has finished; per microbatch: requests received, not finished
+        self._chains: dict[tuple[int, int], _Future] = {}
+        self._unfinished: collections.Counter[int] = collections.Counter()
         self._closed = False
         self._done_unsent: dict[int, list[int]] = {}  # driver: finished microbatches to tell each stage
         self._end = _Future()
@@ -777,6 +781,7 @@ class PipelineSession:
         with self._lock:
             self._closed = True
             self._outputs.clear()
+            self._chains.clear()
             self._leaves.clear()
             self._fetches.clear()
             self._of_microbatch.clear()
@@ -959,14 +964,78 @@ class PipelineSession:
             else:
                 # Leader/followers: a new thread listens to this peer, and this one, already awake with the
                 # request in hand, serves it (one thread wake-up less on the critical path than handing it over).
+                previous, mine = self._enter_chain(peer, envelope)
                 with self._lock:
                     self._serving += 1
                 self._listen(peer)
-                self._serve_request(peer, message, refs)
+                self._serve_request(peer, message, refs, previous, mine)
                 return
 
-    def _serve_request(self, peer: int, message: Message, refs: list | None = None) -> None:
+    def _enter_chain(self, peer: int, envelope: _Envelope) -> tuple[_Future | None, _Future]:
+        """Receiving thread, in arrival order: the request's place after the previous one of its (caller,
+        microbatch), and, for a "call", its output's future (so a later reference finds it, or fails at once).
+
+        [Note: one microbatch's requests run in arrival order] A caller sends the requests of one microbatch in its
+        program order, and with remote handles it does not wait for one before sending the next. The owner runs
+        them in that order: each waits until the previous request of the same (caller, microbatch) has finished.
+        Otherwise a call with data arguments would overtake an earlier one waiting for a referenced output, and
+        per-call random streams ("the n-th call of module F in microbatch m", ``_rng.py``) and deferred buffer
+        updates (BatchNorm, ``_state.py``) would follow execution order, not the program's; a fetch would miss an
+        earlier call's in-place change of the fetched value. Different microbatches stay unordered: the
+        pipeline's overlap is between microbatches. The chain also keeps a microbatch's outputs until its last
+        request has run (``_free``), so a call the driver never waited for still finds what it references.
+        """
+        key = (peer, envelope.microbatch)
+        mine = _Future()
+        with self._lock:
+            previous = self._chains.get(key)
+            self._chains[key] = mine
+            self._unfinished[envelope.microbatch] += 1
+            if envelope.kind == "call" and not self._closed:
+                self._outputs[envelope.call_id] = _Future()
+                self._of_microbatch.setdefault(envelope.microbatch, []).append(envelope.call_id)
+        return previous, mine
+
+    def _leave_chain(self, microbatch: int, mine: _Future) -> None:
+        mine.set(None)
+        with self._lock:
+            self._unfinished[microbatch] -= 1
+            idle = self._unfinished[microbatch] == 0
+            if idle:
+                del self._unfinished[microbatch]
+        if idle and microbatch in self._freed:  # the driver finished it while this request ran
+            self._drop(microbatch)
+
+    def _serve_request(
+        self, peer: int, message: Message, refs: list | None = None, previous: _Future | None = None,
+        mine: _Future | None = None,
+    ) -> None:
         self._enter_thread()
+        envelope: _Envelope = message.obj
+        reply: Any = None
+        try:
+            if previous is not None:  # see [Note: one microbatch's requests run in arrival order]
+                previous.wait(self.engine.timeout_s, self.raise_if_failed,
+                              f"the previous request of microbatch {envelope.microbatch} from stage {peer}")
+            reply = self._serve(message, refs)
+        except BaseException as err:  # the session failed (or timed out) while this request waited for its turn
+            self.fail(err)
+            if envelope.kind == "call":
+                self._record_output(envelope.call_id, envelope.microbatch, ("error", str(err)))
+            reply = self.envelope("error", envelope.call_id, str(err), envelope.microbatch)
+        try:
+            if mine is not None:  # before the reply: the caller's next request may arrive with it
+                self._leave_chain(envelope.microbatch, mine)
+            if reply is not None:
+                self._send_quietly(reply, peer, envelope.microbatch)
+        finally:
+            with self._lock:
+                self._serving -= 1
+                self._idle.notify_all()
+                self._last_heard = time.monotonic()
+
+    def _serve(self, message: Message, refs: list | None) -> Any:
+        """Run one request; return its reply (None for a "call"), or an "error" reply naming the failure."""
         envelope: _Envelope = message.obj
         kind = envelope.kind
         phase = _FORWARD if kind in ("fwd", "call", "get") else _BACKWARD
@@ -999,12 +1068,7 @@ class PipelineSession:
             reply = self.envelope("error", envelope.call_id, body, envelope.microbatch)
             if kind == "call":
                 self._record_output(envelope.call_id, envelope.microbatch, ("error", body))
-        if reply is not None:
-            self._send_quietly(reply, peer, envelope.microbatch)
-        with self._lock:
-            self._serving -= 1
-            self._idle.notify_all()
-            self._last_heard = time.monotonic()
+        return reply
 
     def _call_module(self, fqn: str, args: tuple, kwargs: dict, grad_enabled: bool, span: tuple | None) -> Any:
         """Run the requested module (or the ``span`` of a Sequential's children) on this stage."""
@@ -1043,39 +1107,44 @@ class PipelineSession:
 
     # ---- remote handles, owner side ([Note: remote handles] in _handles.py) -----------------------------------
 
-    def _output_future(self, call_id: tuple[int, int]) -> _Future:
-        with self._lock:
-            future = self._outputs.get(call_id)
-            if future is None:
-                future = self._outputs[call_id] = _Future()
-            return future
-
     def _record_output(self, call_id: tuple[int, int], microbatch: int, result: tuple[str, Any]) -> None:
         with self._lock:
-            if self._closed:
-                return
-            self._of_microbatch.setdefault(microbatch, []).append(call_id)
-        self._output_future(call_id).set(result)
+            future = self._outputs.get(call_id)  # registered on receipt (``_enter_chain``); gone once closed
+        if future is not None:
+            future.set(result)
 
-    def _check_kept(self, call_id: tuple[int, int], microbatch: int) -> None:
+    def _output_future(self, call_id: tuple[int, int], microbatch: int) -> _Future:
+        """The future of this stage's output of ``call_id``, registered when the call arrived.
+
+        Raises:
+            PipelineError: at once if this stage has no such output: its microbatch finished (it was dropped), or
+                the reference comes from another step.
+        """
         with self._lock:
-            if call_id not in self._outputs and microbatch in self._freed:
-                raise PipelineError(
-                    f"The output of a remote call of microbatch {microbatch} was used after that microbatch had"
-                    f" finished, and {self.engine.describe_stage(self.engine.stage)}, which computed it, has dropped"
-                    " it. Use a microbatch's values within its own step function, or return them from it."
-                )
+            future = self._outputs.get(call_id)
+        if future is not None:
+            return future
+        where = self.engine.describe_stage(self.engine.stage)
+        if microbatch in self._freed:
+            raise PipelineError(
+                f"The output of a remote call of microbatch {microbatch} was used after that microbatch had"
+                f" finished, and {where}, which computed it, has dropped it. Use a microbatch's values within its"
+                " own step function, or return them from it."
+            )
+        raise PipelineError(
+            f"{where} has no output of remote call {call_id} in step {self.step!r}: a value from another step was"
+            " passed to it. Values of a pipelined step cannot be kept for a later step; return them from the step."
+        )
 
     def _await_outputs(self, call_ids: list[tuple[tuple[int, int], int]], what: str) -> None:
         for call_id, microbatch in call_ids:
-            self._check_kept(call_id, microbatch)
-            self._output_future(call_id).wait(
+            self._output_future(call_id, microbatch).wait(
                 self.engine.timeout_s, self.raise_if_failed, f"the output of an earlier call, for {what!r}"
             )
 
-    def _resolve(self, call_id: tuple[int, int], path: tuple) -> Any:
+    def _resolve(self, call_id: tuple[int, int], path: tuple, microbatch: int = -1) -> Any:
         """This stage's output of ``call_id``, then ``value[key]`` for each key of ``path``."""
-        status, value = self._output_future(call_id).wait(
+        status, value = self._output_future(call_id, microbatch).wait(
             self.engine.timeout_s, self.raise_if_failed, "the output of an earlier call"
         )
         if status != "ok":
@@ -1096,8 +1165,7 @@ class PipelineSession:
 
     def _run_get(self, envelope: _Envelope) -> Any:
         call_id, path, label = envelope.body
-        self._check_kept(call_id, envelope.microbatch)
-        value = self._resolve(call_id, path)
+        value = self._resolve(call_id, path, envelope.microbatch)
         with _PackingFor(self, None):  # remote values inside it are fetched here and sent as data
             reply = pack(self.envelope("reply", envelope.call_id, value, envelope.microbatch))
         outputs = [t for t in reply.tensors if t.requires_grad and _differentiable(t)]
@@ -1140,9 +1208,18 @@ class PipelineSession:
         return self.envelope("reply", envelope.call_id, grads, envelope.microbatch)
 
     def _free(self, microbatch: int) -> None:
-        """The driver finished ``microbatch``: drop this stage's outputs, leaves and fetches of it."""
+        """The driver finished ``microbatch``: drop this stage's outputs, leaves and fetches of it, once the requests
+        of it received so far have run (a call nobody waited for may still be queued)."""
         with self._lock:
             self._freed.add(microbatch)
+            if self._unfinished.get(microbatch, 0):
+                return  # ``_leave_chain`` of its last request drops it
+        self._drop(microbatch)
+
+    def _drop(self, microbatch: int) -> None:
+        with self._lock:
+            for key in [key for key in self._chains if key[1] == microbatch]:
+                del self._chains[key]
             for call_id in self._of_microbatch.pop(microbatch, ()):
                 self._outputs.pop(call_id, None)
                 self._leaves.pop(call_id, None)
@@ -1167,6 +1244,26 @@ class PipelineSession:
         handle = RemoteValue(self, stage, call_id, task.microbatch, upstream=upstream, label=_label(fqn, span))
         handle._rv_grad_enabled = grad_enabled
         return handle
+
+    def check_reference(self, handle: RemoteValue) -> None:
+        """Caller side, while packing a request: may ``handle`` go to its owner as a reference?
+
+        Raises:
+            PipelineError: at once, naming the module, if the handle comes from another step or its microbatch has
+                finished (its owner has dropped the value, or is about to): a reference would wait in vain.
+        """
+        where = self.engine.describe_stage(handle._rv_stage)
+        if handle._rv_session is not self or self._closed:
+            raise PipelineError(
+                f"The output of {handle._rv_label!r} (computed on {where}) was passed to a call after its pipelined"
+                " step ended. Values of a pipelined step cannot be kept for a later step; return them from the step."
+            )
+        if handle._rv_microbatch in self._freed:
+            raise PipelineError(
+                f"The output of {handle._rv_label!r} of microbatch {handle._rv_microbatch} was used after that"
+                f" microbatch had finished, and {where}, which computed it, has dropped it. Use a microbatch's values"
+                " within its own step function, or return them from it."
+            )
 
     def fetch(self, handle: RemoteValue) -> Any:
         """Bring the value behind ``handle`` here: one round trip to its owner, connected to autograd."""

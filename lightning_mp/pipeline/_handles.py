@@ -76,6 +76,18 @@ def _step(value: Any, key: Any) -> Any:
     return value[key]
 
 
+def _replace(value: Any, key: Any, part: Any) -> Any:
+    """``value`` with ``value[key]`` being ``part`` (the same object): a new tuple (or named tuple), else in place."""
+    if value[key] is part:
+        return value
+    if isinstance(value, tuple):
+        items = list(value)
+        items[key] = part
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    value[key] = part
+    return value
+
+
 class RemoteValue:
     """The output (or part of it: ``path``) of remote call ``call_id``, still on ``stage``.
 
@@ -97,6 +109,9 @@ class RemoteValue:
         self._rv_upstream = upstream if upstream is not None else {}  # call_id -> caller tensors sent as data
         self._rv_label = label
         self._rv_grad_enabled = parent._rv_grad_enabled if parent is not None else True  # the call's grad mode
+        # shared by every part of one call's output: set once any part is fetched (a fetched part may be changed
+        # here in place, so from then on no part of the output goes as a reference: the owner's copy may be stale)
+        self._rv_touched: list[bool] = parent._rv_touched if parent is not None else [False]
         self._rv_fetched = False
         self._rv_value: Any = None
         self._rv_children: dict[Any, RemoteValue] = {}
@@ -113,25 +128,36 @@ class RemoteValue:
                 if parent is not None and parent._rv_fetched:
                     value = _step(parent._rv_value, self._rv_path[-1])
                 else:
-                    value = self._rv_session.fetch(self)
+                    self._rv_touched[0] = True
+                    value = self._rv_adopt(self._rv_session.fetch(self))
                 self._rv_value, self._rv_fetched = value, True
         return self._rv_value
 
-    def _rv_only_remote(self) -> bool:
-        """Not fetched, nor any value it is a part of (a fetched value may have been changed here in place)."""
-        node: RemoteValue | None = self
-        while node is not None:
-            if node._rv_fetched:
-                return False
-            node = node._rv_parent
-        return True
+    def _rv_adopt(self, value: Any) -> Any:
+        """``value`` with the parts that were fetched before it (``h[0]`` fetched, then ``h``) replaced by those
+        objects, so an in-place change made to a part stays visible through the whole, as in eager code."""
+        for key, child in list(self._rv_children.items()):
+            if child._rv_fetched:
+                value = _replace(value, key, child._rv_value)
+            elif child._rv_children:
+                part = child._rv_adopt(_step(value, key))
+                child._rv_value, child._rv_fetched = part, True
+                value = _replace(value, key, part)
+        return value
 
     def __reduce_ex__(self, protocol: int) -> Any:
         packing = getattr(_packing, "current", None)
-        if packing is not None and packing.stage == self._rv_stage and self._rv_only_remote():
+        if packing is not None and packing.stage == self._rv_stage and not self._rv_touched[0]:
+            packing.session.check_reference(self)
             packing.refs.append(self)
             return (_make_ref, (self._rv_call_id, self._rv_path, self._rv_microbatch))
         return (_identity, (self._rv_materialize(),))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_rv_"):
+            object.__setattr__(self, name, value)
+        else:  # ``h.requires_grad = False``, ``h.grad = None``: on the value, as eager code would
+            setattr(self._rv_materialize(), name, materialize(value))
 
     # ---- parts without fetching -----------------------------------------------------------------------------
 
@@ -257,7 +283,8 @@ class _Ref(RemoteValue):
         if not self._rv_fetched:
             if self._rv_resolver is None:
                 raise RuntimeError("internal: a reference to a remote output was touched before it was resolved")
-            self._rv_value, self._rv_fetched = self._rv_resolver(self._rv_call_id, self._rv_path), True
+            self._rv_value = self._rv_resolver(self._rv_call_id, self._rv_path, self._rv_microbatch)
+            self._rv_fetched = True
         return self._rv_value
 
     def __reduce_ex__(self, protocol: int) -> Any:
@@ -295,15 +322,35 @@ _hook_lock = threading.Lock()
 _hook_handle: Any = None
 
 
+def _fetching_apply(original: Any) -> Any:
+    """``torch.autograd.Function.apply`` that first fetches the handles among its arguments: autograd connects a
+    Function's output only to its *tensor* inputs, and a handle is none, so without this a custom Function (or
+    reentrant ``torch.utils.checkpoint``) given a handle would compute the right value with no gradient upstream."""
+
+    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if any(_is_remote(a) for a in args) or any(_is_remote(v) for v in kwargs.values()):
+            args, kwargs = materialize(args), materialize(kwargs)
+        return original(cls, *args, **kwargs)
+
+    apply._smp_fetches_handles = True  # type: ignore[attr-defined]
+    return classmethod(apply)
+
+
 def materialize_module_inputs() -> None:
-    """Install (once per process) the global forward pre-hook that fetches handles passed to local modules. Remote
-    modules' stubs replace ``__call__`` and skip module hooks, so their handle arguments still go as references."""
+    """Install (once per process) what makes local code that needs real tensors get them from handles: a global
+    forward pre-hook fetching handles passed to local modules (remote modules' stubs replace ``__call__`` and skip
+    module hooks, so their handle arguments still go as references), and ``Function.apply`` fetching its handle
+    arguments (see ``_fetching_apply``)."""
     global _hook_handle
     with _hook_lock:
         if _hook_handle is None:
             from torch.nn.modules.module import register_module_forward_pre_hook
 
             _hook_handle = register_module_forward_pre_hook(_fetch_module_inputs)
+            function = torch.autograd.function.Function
+            current = function.__dict__["apply"]
+            if not getattr(current.__func__, "_smp_fetches_handles", False):
+                function.apply = _fetching_apply(current.__func__)
 
 
 def resolve(tree: Any, refs: list[_Ref], resolver: Any) -> Any:

@@ -1,0 +1,316 @@
+"""Remote handles keep eager semantics where the owner could reorder or go stale ([Note: remote handles]).
+
+Each scenario below runs one model for two SGD steps of two microbatches, on one process and on two gloo processes
+(the modules named in ``PLACEMENT`` on stage 1) with remote handles on, and compares losses, gradients, updated
+parameters and buffers (BatchNorm running statistics) bitwise-close. The cases are those where a handle's lazy
+transfer could change the result: one microbatch's calls overtaking each other on their owner ([Note: one
+microbatch's requests run in arrival order] in ``_engine.py``: dropout masks and BatchNorm updates follow the
+program's order), a fetch overtaking an earlier in-place change, a part of an output changed in place before the
+whole goes back by reference, handles given to ``autograd.Function.apply`` and checkpointing, and a call nobody
+waits for behind the compute token. The last tests check that stale handles fail at once with a clear error.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.utils.checkpoint as checkpoint
+from torch import nn
+
+from lightning_mp.pipeline import PipelineEngine, PipelineError, split_microbatches
+from tests._dist import make_transport, run_distributed
+from tests.models import expand_placement
+
+DIM, LR, SEED = 8, 0.1, 123
+SLOW_S = 0.15  # long enough that a later one-way call of the same microbatch arrives while this one computes
+
+
+class Slow(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(SLOW_S)
+        return self.fc(x)
+
+
+class DropBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(DIM, DIM)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(torch.tanh(self.fc(x)))
+
+
+class NormBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(DIM, DIM)
+        self.bn = nn.BatchNorm1d(DIM, momentum=0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.fc(x))
+
+
+class ReluInPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.relu_()  # changes the caller's tensor: eager code that reads ``x`` afterwards sees the change
+        return self.fc(x)
+
+
+class Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.fc(x)
+        return y, 2 * y
+
+
+class PairSum(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(DIM, DIM)
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.fc(pair[0] + pair[1])
+
+
+class Two(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + y
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM)
+        self.slow = Slow()
+        self.drop = DropBlock()
+        self.norm = NormBlock()
+        self.relu = ReluInPlace()
+        self.pair = Pair()
+        self.pair_sum = PairSum()
+        self.two = Two()
+        self.local = nn.Linear(DIM, DIM)  # on the driver
+        self.out = nn.Linear(DIM, 1)
+
+
+PLACEMENT = {name: 1 for name in ("slow", "drop", "norm", "relu", "pair", "pair_sum", "two")}
+
+
+class Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(t)
+        return t * t
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (t,) = ctx.saved_tensors
+        return 2 * t * grad
+
+
+def dropout_called_twice(m: Model, x: torch.Tensor) -> torch.Tensor:
+    a = m.slow(m.inp(x))
+    first = m.drop(a)  # by reference: waits for the slow call
+    second = m.drop(x)  # data: could run first on the owner; its mask must stay the second call's
+    return (m.out(first) + 3 * m.out(second)).mean()
+
+
+def batchnorm_called_twice(m: Model, x: torch.Tensor) -> torch.Tensor:
+    a = m.slow(m.inp(x))
+    first = m.norm(a)
+    second = m.norm(5 * x)  # the running statistics are updated in program order
+    return (m.out(first) + m.out(second)).mean()
+
+
+def fetch_after_in_place_call(m: Model, x: torch.Tensor) -> torch.Tensor:
+    a = m.slow(m.inp(x))
+    b = m.relu(a)  # by reference: ReLUs ``a`` in place on the owner
+    m.slow(x)  # a data call in between
+    return (m.out(a) + m.out(b)).mean()  # ``a`` is fetched after the ReLU, as eager code reads it
+
+
+def part_changed_then_whole_by_reference(m: Model, x: torch.Tensor) -> torch.Tensor:
+    pair = m.pair(m.inp(x))
+    pair[0].mul_(0.5)  # fetches the part and changes it here
+    return m.out(m.pair_sum(pair)).mean()  # the whole goes as data now: the owner's copy is stale
+
+
+def handle_to_function_apply(m: Model, x: torch.Tensor) -> torch.Tensor:
+    a = m.slow(m.inp(x))
+    return m.out(Square.apply(a)).mean()  # gradients flow back through the handle to ``slow`` and ``inp``
+
+
+def handle_to_reentrant_checkpoint(m: Model, x: torch.Tensor) -> torch.Tensor:
+    a = m.two(m.inp(x), x)
+    y = checkpoint.checkpoint(lambda t: torch.tanh(m.local(t)), a, use_reentrant=True)
+    return m.out(y).mean()
+
+
+def handle_to_checkpointed_local_module(m: Model, x: torch.Tensor) -> torch.Tensor:
+    a = m.two(m.inp(x), x)
+    return m.out(torch.tanh(m.local(a))).mean()  # ``local`` under set_activation_checkpointing
+
+
+def discarded_call_behind_the_token(m: Model, x: torch.Tensor) -> torch.Tensor:
+    kept = m.pair(m.inp(x))[0]
+    slow = m.slow(x)  # discarded, holds stage 1's compute token
+    m.two(kept, slow)  # discarded, references ``kept``: must still find it after the loss's backward
+    return m.out(kept).mean()
+
+
+SCENARIOS = {
+    f.__name__: f
+    for f in (
+        dropout_called_twice, batchnorm_called_twice, fetch_after_in_place_call, part_changed_then_whole_by_reference,
+        handle_to_function_apply, handle_to_reentrant_checkpoint, handle_to_checkpointed_local_module,
+        discarded_call_behind_the_token,
+    )
+}
+
+
+def _batch(step: int) -> torch.Tensor:
+    return torch.randn(8, DIM, generator=torch.Generator().manual_seed(step))
+
+
+def _run(rank: int, world: int, schedule: str) -> dict:
+    from lightning_mp import set_activation_checkpointing
+
+    transport = make_transport(list(range(world)))
+    results = {}
+    for name, step_fn in SCENARIOS.items():
+        torch.manual_seed(0)
+        model = Model()
+        if name == "handle_to_checkpointed_local_module":
+            set_activation_checkpointing(model.local)
+        engine = PipelineEngine(transport, world, schedule=schedule, active_microbatches=2, timeout_s=60,
+                                seed=SEED, remote_handles=True)
+        engine.install(model, expand_placement(model, PLACEMENT if world > 1 else {}))
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        losses, grads = [], {}
+        for index in range(2):
+            optimizer.zero_grad()
+            with engine.session() as session:
+                if engine.is_driver:
+                    outputs = session.drive(lambda mb, i: step_fn(model, mb), split_microbatches(_batch(index), 2),
+                                            loss_fn=lambda loss: loss / 2, backward=True)
+                    session.finish(None)
+                    losses.append([float(o) for o in outputs])
+                else:
+                    session.serve()
+            if index == 0:
+                grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            optimizer.step()
+        results[name] = {
+            "losses": losses, "grads": grads,
+            "state": {k: v.clone() for k, v in model.state_dict().items() if v is not None},
+        }
+    return results
+
+
+@pytest.fixture(scope="module", params=["interleaved", "simple"])
+def runs(request) -> tuple[dict, list[dict]]:
+    one = run_distributed(_run, 1, request.param)[0]
+    two = run_distributed(_run, 2, request.param)
+    return one, two
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_remote_handles_match_one_process(runs, scenario):
+    one, two = runs
+    reference, driver, server = one[scenario], two[0][scenario], two[1][scenario]
+    torch.testing.assert_close(driver["losses"], reference["losses"], rtol=1e-6, atol=1e-7)
+    grads = {**driver["grads"], **server["grads"]}
+    assert sorted(grads) == sorted(reference["grads"]), "every gradient, once"
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, reference["grads"][name], rtol=1e-6, atol=1e-7, msg=name)
+    owned = {**{k: v for k, v in driver["state"].items() if not k.split(".")[0] in PLACEMENT},
+             **{k: v for k, v in server["state"].items() if k.split(".")[0] in PLACEMENT}}
+    assert sorted(owned) == sorted(reference["state"])
+    for name, value in owned.items():  # updated parameters, BatchNorm running statistics
+        torch.testing.assert_close(value, reference["state"][name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def _stale(rank: int, world: int, where: str) -> list[str]:
+    """A handle kept past its microbatch (or its step) and passed back to its owner by reference."""
+    torch.manual_seed(0)
+    model = Model()
+    engine = PipelineEngine(make_transport(list(range(world))), world, active_microbatches=1, timeout_s=60,
+                            remote_handles=True)
+    engine.install(model, expand_placement(model, PLACEMENT))
+    kept, outcome = [], []
+    for index in range(2):
+        def step(mb: torch.Tensor, i: int) -> torch.Tensor:
+            h = model.inp(mb)
+            if not kept:
+                kept.append(model.pair(h)[0])  # never touched where it was made
+                return model.out(h).mean()
+            return model.out(model.two(kept[0], h)).mean()  # passed back untouched: a reference
+
+        started = time.monotonic()
+        try:
+            with engine.session() as session:
+                if engine.is_driver:
+                    microbatches = split_microbatches(_batch(index), 2 if where == "microbatch" else 1)
+                    session.drive(step, microbatches, loss_fn=lambda loss: loss, backward=True)
+                    session.finish(None)
+                else:
+                    session.serve()
+            outcome.append("ok")
+        except PipelineError as err:
+            outcome.append(f"{err} [{time.monotonic() - started < 30}]")
+    return outcome
+
+
+@pytest.mark.parametrize("where", ["microbatch", "step"])
+def test_a_stale_handle_passed_by_reference_fails_at_once(where):
+    driver, server = run_distributed(_stale, 2, where)
+    message = driver[0] if where == "microbatch" else driver[1]
+    expected = ("was used after that microbatch had finished" if where == "microbatch"
+                else "was passed to a call after its pipelined step ended")
+    assert expected in message and "'pair'" in message and "pipeline stage 1 (global rank 1)" in message, message
+    assert message.endswith("[True]"), f"failed at once, not after the 60 s timeout: {message}"
+    assert "Timed out" not in message
+    server_message = server[0] if where == "microbatch" else server[1]
+    assert server_message.startswith("The step failed on pipeline stage 0"), server_message
+
+
+def _set_attribute(rank: int, world: int) -> list:
+    model = Model()
+    engine = PipelineEngine(make_transport(list(range(world))), world, timeout_s=60, remote_handles=True)
+    engine.install(model, expand_placement(model, PLACEMENT))
+    seen = []
+    with torch.no_grad(), engine.session() as session:
+        if engine.is_driver:
+            def step(mb: torch.Tensor, i: int) -> torch.Tensor:
+                handle = model.pair(mb)[0]
+                handle.tag = "mine"  # an attribute set on a handle lands on the value, as on a tensor
+                return handle
+
+            (output,) = session.drive(step, [_batch(0)], loss_fn=lambda out: None, backward=False)
+            session.finish(None)
+            seen.append((type(output).__name__, getattr(output, "tag", None)))
+        else:
+            session.serve()
+    return seen
+
+
+def test_setting_an_attribute_on_a_handle_sets_it_on_the_value():
+    driver, _ = run_distributed(_set_attribute, 2)
+    assert driver == [("Tensor", "mine")]
