@@ -104,14 +104,12 @@ class SMPConfig:
     Costs one small message per task from the leader; requires the replicas to make the same calls (no
     data-dependent control flow that differs between replicas). ``None``: on when ``tensor_parallel_degree > 1``."""
 
-    remote_handles: bool = False
-    """Experimental, off by default: a call into a module on another stage returns at once with a handle to its
-    output, which stays on that stage until local code touches it; a later call on the same stage takes it by
-    reference (``RemoteValue``, [Note: remote handles] in ``pipeline/_handles.py``). Known defects (README, "Known
-    limits"): calls of one microbatch may run out of order on their stage (dropout masks and BatchNorm statistics
-    then depend on the layout), a part of an output changed in place is not seen when the whole output goes back by
-    reference, a handle kept past its microbatch waits for the timeout. ``False``: every remote call waits for its
-    outputs."""
+    remote_handles: bool = True
+    """A call into a module on another stage returns at once with a handle to its output, which stays on that stage
+    until local code touches it; a later call on the same stage takes it by reference (``RemoteValue``, [Note:
+    remote handles] in ``pipeline/_handles.py``), so a Python loop over remote blocks costs one-way messages, not a
+    round trip per block. ``False``: every remote call waits for its outputs (one round trip per call; the engine
+    before handles). The results are the same either way (README, "Known limits", for what a handle is not)."""
 
     delayed_parameter_initialization: bool = False
     """Build the model in ``configure_model`` without allocating parameters (SMP's

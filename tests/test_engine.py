@@ -55,13 +55,15 @@ def _reference(model_name: str) -> dict:
 
 
 def _pipelined(
-    rank: int, world_size: int, model_name: str, placement: str, microbatches: int, schedule: str, plane: str = "gloo"
+    rank: int, world_size: int, model_name: str, placement: str, microbatches: int, schedule: str, plane: str = "gloo",
+    remote_handles: bool = True,
 ) -> dict:
     torch.manual_seed(0)
     cls = MODELS[model_name]
     model = cls()
     transport = make_transport(list(range(world_size)), plane)
-    engine = PipelineEngine(transport, world_size, schedule=schedule, active_microbatches=3, timeout_s=60)
+    engine = PipelineEngine(transport, world_size, schedule=schedule, active_microbatches=3, timeout_s=60,
+                            remote_handles=remote_handles)
     engine.install(model, expand_placement(model, PLACEMENTS[placement]))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses, grads = [], {}
@@ -98,22 +100,26 @@ def _assert_matches_reference(results: list[dict], reference: dict) -> None:
 
 
 @pytest.mark.parametrize(
-    ("model_name", "placement", "microbatches", "schedule", "plane"),
+    ("model_name", "placement", "microbatches", "schedule", "plane", "remote_handles"),
     [
-        ("mlp", "mlp", 1, "interleaved", "gloo"),
-        ("mlp", "mlp", 4, "interleaved", "gloo"),
-        ("mlp", "mlp", 4, "simple", "gloo"),
-        ("branchy", "branchy", 4, "interleaved", "gloo"),
-        ("branchy", "nested", 2, "interleaved", "gloo"),
-        ("tiedlm", "tiedlm", 4, "interleaved", "gloo"),
+        ("mlp", "mlp", 1, "interleaved", "gloo", True),
+        ("mlp", "mlp", 4, "interleaved", "gloo", True),
+        ("mlp", "mlp", 4, "simple", "gloo", True),
+        ("branchy", "branchy", 4, "interleaved", "gloo", True),
+        ("branchy", "nested", 2, "interleaved", "gloo", True),
+        ("tiedlm", "tiedlm", 4, "interleaved", "gloo", True),
         # The same protocol under NCCL's rules (comm/_planes.py: StrictMockBackend).
-        ("mlp", "mlp", 4, "simple", "strict_mock"),
-        ("branchy", "nested", 2, "interleaved", "strict_mock"),
-        ("tiedlm", "tiedlm", 4, "interleaved", "strict_mock"),
+        ("mlp", "mlp", 4, "simple", "strict_mock", True),
+        ("branchy", "nested", 2, "interleaved", "strict_mock", True),
+        ("tiedlm", "tiedlm", 4, "interleaved", "strict_mock", True),
+        # Without remote handles: every remote call waits for its outputs (one round trip per call).
+        ("mlp", "mlp", 4, "interleaved", "gloo", False),
+        ("branchy", "nested", 2, "interleaved", "strict_mock", False),
+        ("tiedlm", "tiedlm", 4, "simple", "gloo", False),
     ],
 )
-def test_two_stage_pipeline_matches_one_process(model_name, placement, microbatches, schedule, plane):
-    results = run_distributed(_pipelined, 2, model_name, placement, microbatches, schedule, plane)
+def test_two_stage_pipeline_matches_one_process(model_name, placement, microbatches, schedule, plane, remote_handles):
+    results = run_distributed(_pipelined, 2, model_name, placement, microbatches, schedule, plane, remote_handles)
     _assert_matches_reference(results, _reference(model_name))
     assert all(len(r["params"]) > 0 for r in results), "both stages own parameters"
 
@@ -214,9 +220,9 @@ MODELS["three"] = _ThreeStage
 PLACEMENTS["three"] = {"outer": 1, "outer.inner": 2, "outer.inner.leaf": 0}
 
 
-@pytest.mark.parametrize("plane", ["gloo", "strict_mock"])
-def test_three_stages_nested_calls_shared_stateless_module_inplace_and_hooks(plane):
-    results = run_distributed(_pipelined, 3, "three", "three", 4, "interleaved", plane)
+@pytest.mark.parametrize(("plane", "remote_handles"), [("gloo", True), ("strict_mock", True), ("gloo", False)])
+def test_three_stages_nested_calls_shared_stateless_module_inplace_and_hooks(plane, remote_handles):
+    results = run_distributed(_pipelined, 3, "three", "three", 4, "interleaved", plane, remote_handles)
     _assert_matches_reference(results, _reference("three"))
     assert [len(r["params"]) for r in results] == [6, 2, 2], "first+head+leaf / outer.proj / inner.proj"
 

@@ -128,6 +128,7 @@ ALTERNATING = {"partition": {"net.blocks.1": 1, "net.blocks.3": 1}, "auto_partit
         ("mlp", 1, 2, 2, "interleaved", {}, {}),
         ("tiedlm", 2, 2, 2, "interleaved", CLIP, {}),
         ("mlp", 2, 2, 4, "interleaved", {}, {"deterministic_order": True}),
+        ("branchy", 2, 1, 4, "interleaved", {}, {"remote_handles": False}),
     ],
     ids=[
         "mlp-pp2-mb1",
@@ -138,6 +139,7 @@ ALTERNATING = {"partition": {"net.blocks.1": 1, "net.blocks.3": 1}, "auto_partit
         "mlp-dp2-mb2",
         "tiedlm-pp2xdp2-mb2-clipnorm",
         "mlp-pp2xdp2-mb4-deterministic-order",
+        "branchy-pp2-mb4-no-remote-handles",
     ],
 )
 def test_fit_matches_one_process(tmp_path, model_name, pp, dp, microbatches, schedule, trainer_kwargs, plan_kwargs):

@@ -252,7 +252,7 @@ class PipelineEngine:
         global_ranks: Sequence[int] | None = None,
         order_transport: Transport | None = None,
         seed: int | None = None,
-        remote_handles: bool = False,
+        remote_handles: bool = True,
     ) -> None:
         self.transport = transport
         self.remote_handles = remote_handles
@@ -1196,6 +1196,8 @@ class PipelineSession:
             # passes it (its owner gets partial gradients, which add up as one backward would): then the graph is
             # kept until the driver finishes the microbatch (``_free``). The driver runs one backward per
             # microbatch, so each of its fetches is backed through once, and the last frees the graph as it goes.
+            # A fetch whose value never reaches the loss (fetched only for a branch, ``if t > 0``) gets no backward:
+            # then the graph stays until the microbatch is done (about one message later under 1F1B).
             with torch.autograd.set_multithreading_enabled(False):  # [Note: backward on the calling thread]
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], retain_graph=retain)
         grads = []

@@ -7,7 +7,8 @@ very object its earlier call returned, so a Python loop over remote blocks (``fo
 costs one one-way message per block, and the blocks' autograd graph stays on the owner in one piece. The value
 crosses to the caller only when local code touches it:
 
-- passing it to a local module (a global forward pre-hook fetches the handles among the arguments), any torch
+- passing it to a local module (a global forward pre-hook fetches the handles among the arguments) or to
+  ``autograd.Function.apply`` (wrapped to fetch them: autograd connects a Function only to tensor inputs), any torch
   function or tensor method on it (``__torch_function__``), arithmetic, comparisons, ``bool()``, ``.item()``,
   ``len()``, iteration, ``repr()``, ``isinstance()``, in-place ops, and sending it to a third stage (the caller
   fetches it and sends the data) all *fetch* it: one round trip, then the proxy holds the received value and
@@ -23,8 +24,14 @@ gradients to the owner, which runs backward through the whole chain and returns 
 So a loop of ``k`` remote blocks ending in a fetch costs ``k`` one-way requests and one round trip forward, and
 one round trip backward.
 
-The owner keeps the value until the microbatch that made it has finished on the driver (or the step ends).
-Python that inspects a value still works; it just pays for the fetch where it inspects.
+Once any part of an output has been fetched (``out[0]``), the whole output goes back as data, never as a
+reference (the part may have been changed here in place), and a part fetched first is the same object in the whole
+fetched later. The owner runs one microbatch's requests from one caller in the order they were sent ([Note: one
+microbatch's requests run in arrival order] in ``_engine.py``), so random streams, BatchNorm updates and in-place
+changes follow the program, as on one process. It keeps the value until the microbatch that made it has finished
+on the driver and its requests have run (or the step ends); a handle of a finished microbatch or of another step
+fails at once when passed or touched. Python that inspects a value still works; it just pays for the fetch where
+it inspects.
 """
 
 from __future__ import annotations

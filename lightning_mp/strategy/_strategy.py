@@ -132,11 +132,10 @@ class SMPStrategy(ParallelStrategy):
         replan_on_resume: a run resumed with ``fit(ckpt_path=...)`` (a path, or ``"last"``/``"best"`` as Lightning
             resolves them) reuses the partition plan saved in that checkpoint when it fits the model and
             ``pipeline_parallel_degree`` (else it plans anew, and says so); ``True`` always plans anew.
-        remote_handles: experimental, off by default: a remote module call returns at once with a handle to its
-            output, which stays on its stage until local code touches it; a later call on that stage takes it by
-            reference, so a loop over remote blocks costs one-way messages (see
-            :attr:`lightning_mp.SMPConfig.remote_handles` for its known defects). ``False``: every remote call
-            waits for its outputs.
+        remote_handles: a remote module call returns at once with a handle to its output, which stays on its stage
+            until local code touches it; a later call on that stage takes it by reference, so a loop over remote
+            blocks costs one-way messages (:attr:`lightning_mp.SMPConfig.remote_handles`). ``False``: every remote
+            call waits for its outputs (one round trip per call).
         delayed_parameter_initialization: build the model of ``configure_model`` on meta; each rank allocates and
             initialises only its own stage, bitwise as an eager build (models built under
             ``lightning_mp.delay_param_initialization()`` or ``trainer.init_module(empty_init=True)`` are delayed
@@ -179,7 +178,7 @@ class SMPStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta = default_pg_timeout,
         deterministic_order: bool | None = None,
-        remote_handles: bool = False,
+        remote_handles: bool = True,
         start_method: Literal["popen", "spawn", "fork"] = "popen",
         save_distributed_checkpoint: bool = True,
         load_weights: str | Path | None = None,
