@@ -281,6 +281,33 @@ def test_hf_gpt2_at_pp2_costs_one_round_trip_per_microbatch_each_way():
         assert kinds["call"] == 3 * 2, kinds  # one-way: h.2, h.3, ln_f
 
 
+def _tiny_bert():
+    import transformers
+
+    config = transformers.BertConfig(
+        vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32,
+        max_position_embeddings=16, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    return transformers.BertForTokenClassification(config)
+
+
+def _bert_batch(seed: int, n: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 32, (n, 10), generator=g), torch.randint(0, 3, (n, 10), generator=g)
+
+
+def _bert_step(model, batch, log) -> torch.Tensor:
+    ids, labels = batch
+    return model(input_ids=ids, labels=labels).loss
+
+
+def test_hf_model_output_indexed_then_read_by_attribute():
+    """Unmodified HF BertForTokenClassification, ``bert`` on stage 1: the head on the driver reads ``outputs[0]``,
+    then ``outputs.hidden_states`` (a remote ``ModelOutput`` indexed by position, then read by attribute)."""
+    results = run_distributed(_pipelined, 2, _bert_step, _tiny_bert, {"bert": 1}, 2, 2, _bert_batch)
+    _assert_matches(results, _reference(_bert_step, _tiny_bert, 2, _bert_batch))
+
+
 def test_remote_handles_switch_must_be_a_bool():
     from lightning_mp import SMPConfig
 

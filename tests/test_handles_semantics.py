@@ -175,12 +175,28 @@ def discarded_call_behind_the_token(m: Model, x: torch.Tensor) -> torch.Tensor:
     return m.out(kept).mean()
 
 
+def row_fetched_then_whole_changed(m: Model, x: torch.Tensor) -> torch.Tensor:
+    y = m.slow(m.inp(x))
+    row = y[0]
+    float(row.sum())  # fetches: ``row`` is a view of ``y`` (the whole tensor comes, as eager code has it)
+    y.mul_(3.0)  # so the row sees this
+    return m.out(row).mean() + m.out(y).mean()
+
+
+def row_changed_then_whole_used(m: Model, x: torch.Tensor) -> torch.Tensor:
+    y = m.slow(m.inp(x))
+    row = y[1]
+    float(row.sum())
+    row.mul_(0.0)  # ``y[1]`` is zero now
+    return m.out(y * 1.0).mean()
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
         dropout_called_twice, batchnorm_called_twice, fetch_after_in_place_call, part_changed_then_whole_by_reference,
         handle_to_function_apply, handle_to_reentrant_checkpoint, handle_to_checkpointed_local_module,
-        discarded_call_behind_the_token,
+        discarded_call_behind_the_token, row_fetched_then_whole_changed, row_changed_then_whole_used,
     )
 }
 
@@ -202,26 +218,44 @@ def _run(rank: int, world: int, schedule: str) -> dict:
         engine = PipelineEngine(transport, world, schedule=schedule, active_microbatches=2, timeout_s=60,
                                 seed=SEED, remote_handles=True)
         engine.install(model, expand_placement(model, PLACEMENT if world > 1 else {}))
-        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-        losses, grads = [], {}
-        for index in range(2):
-            optimizer.zero_grad()
-            with engine.session() as session:
-                if engine.is_driver:
-                    outputs = session.drive(lambda mb, i: step_fn(model, mb), split_microbatches(_batch(index), 2),
-                                            loss_fn=lambda loss: loss / 2, backward=True)
-                    session.finish(None)
-                    losses.append([float(o) for o in outputs])
-                else:
-                    session.serve()
-            if index == 0:
-                grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-            optimizer.step()
-        results[name] = {
-            "losses": losses, "grads": grads,
-            "state": {k: v.clone() for k, v in model.state_dict().items() if v is not None},
-        }
+        results[name] = _train(engine, model, step_fn)
     return results
+
+
+def _train(engine: PipelineEngine, model: nn.Module, step_fn) -> dict:
+    """Two SGD steps of two microbatches; losses, first gradients, final state dict (this rank's part)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, grads = [], {}
+    for index in range(2):
+        optimizer.zero_grad()
+        with engine.session() as session:
+            if engine.is_driver:
+                outputs = session.drive(lambda mb, i: step_fn(model, mb), split_microbatches(_batch(index), 2),
+                                        loss_fn=lambda loss: loss / 2, backward=True)
+                session.finish(None)
+                losses.append([float(o) for o in outputs])
+            else:
+                session.serve()
+        if index == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        optimizer.step()
+    state = {k: v.clone() for k, v in model.state_dict().items() if v is not None}
+    return {"losses": losses, "grads": grads, "state": state}
+
+
+def _assert_equal(reference: dict, results: list[dict], placement: dict) -> None:
+    """``results`` (one per rank) against the one-process ``reference``: losses, gradients, parameters, buffers."""
+    torch.testing.assert_close(results[0]["losses"], reference["losses"], rtol=1e-6, atol=1e-7)
+    grads = {name: grad for result in results for name, grad in result["grads"].items()}
+    assert sorted(grads) == sorted(reference["grads"]), "every gradient, once"
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, reference["grads"][name], rtol=1e-6, atol=1e-7, msg=name)
+    stage_of = {}
+    for name in reference["state"]:  # the innermost placement entry above a key, else stage 0
+        prefixes = [p for p in placement if name == p or name.startswith(p + ".")]
+        stage_of[name] = placement[max(prefixes, key=len)] if prefixes else 0
+    for name, value in reference["state"].items():  # updated parameters, BatchNorm running statistics
+        torch.testing.assert_close(results[stage_of[name]]["state"][name], value, rtol=1e-6, atol=1e-7, msg=name)
 
 
 @pytest.fixture(scope="module", params=["interleaved", "simple"])
@@ -234,25 +268,119 @@ def runs(request) -> tuple[dict, list[dict]]:
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_remote_handles_match_one_process(runs, scenario):
     one, two = runs
-    reference, driver, server = one[scenario], two[0][scenario], two[1][scenario]
-    torch.testing.assert_close(driver["losses"], reference["losses"], rtol=1e-6, atol=1e-7)
-    grads = {**driver["grads"], **server["grads"]}
-    assert sorted(grads) == sorted(reference["grads"]), "every gradient, once"
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, reference["grads"][name], rtol=1e-6, atol=1e-7, msg=name)
-    owned = {**{k: v for k, v in driver["state"].items() if not k.split(".")[0] in PLACEMENT},
-             **{k: v for k, v in server["state"].items() if k.split(".")[0] in PLACEMENT}}
-    assert sorted(owned) == sorted(reference["state"])
-    for name, value in owned.items():  # updated parameters, BatchNorm running statistics
-        torch.testing.assert_close(value, reference["state"][name], rtol=1e-6, atol=1e-7, msg=name)
+    _assert_equal(one[scenario], [r[scenario] for r in two], PLACEMENT)
+
+
+class Leaf(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(DIM, DIM)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc(x))
+
+
+class Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(DIM, DIM)
+        self.leaf = Leaf()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.leaf(torch.tanh(self.fc(x)))
+
+
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(DIM, DIM)
+        self.inner = Inner()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * self.inner(self.fc(x))
+
+
+class Caller(nn.Module):
+    def __init__(self, shared: nn.Module) -> None:
+        super().__init__()
+        self.fc = nn.Linear(DIM, DIM)
+        self.shared = shared  # the same module as the model's ``shared``: one module, two names, one stage
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(SLOW_S)  # the driver's direct call of ``shared`` would overtake this one's
+        return self.shared(self.fc(x))
+
+
+class Shared(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = NormBlock()
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.norm(x))
+
+
+class Nested(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM)
+        self.outer = Outer()
+        self.shared = Shared()
+        self.caller = Caller(self.shared)
+        self.out = nn.Linear(DIM, 1)
+
+
+NESTED_PLACEMENT = {"outer": 1, "outer.inner": 0, "outer.inner.leaf": 1, "caller": 1, "shared": 2,
+                    "caller.shared": 2}
+
+
+def call_cycle(m: Nested, x: torch.Tensor) -> torch.Tensor:
+    """stage 0 -> 1 (outer) -> 0 (inner) -> 1 (leaf), then 0 -> 1 again: nested calls must not queue behind their
+    callers, and the second call must come after the whole first one."""
+    h = m.outer(m.inp(x))
+    return m.out(m.outer(h) + h).mean()
+
+
+def one_module_from_two_callers(m: Nested, x: torch.Tensor) -> torch.Tensor:
+    """``shared`` (dropout, BatchNorm) called in one microbatch through ``caller`` (stage 1 -> 2) and then directly
+    (stage 0 -> 2): its calls run in the program's order."""
+    first = m.caller(m.inp(x))
+    second = m.shared(x)
+    return (m.out(first) + 3 * m.out(second)).mean()
+
+
+NESTED_SCENARIOS = {f.__name__: f for f in (call_cycle, one_module_from_two_callers)}
+
+
+def _run_nested(rank: int, world: int, remote_handles: bool) -> dict:
+    transport = make_transport(list(range(world)))
+    results = {}
+    for name, step_fn in NESTED_SCENARIOS.items():
+        torch.manual_seed(0)
+        model = Nested()
+        engine = PipelineEngine(transport, world, active_microbatches=2, timeout_s=60, seed=SEED,
+                                remote_handles=remote_handles)
+        engine.install(model, expand_placement(model, NESTED_PLACEMENT if world > 1 else {}))
+        results[name] = _train(engine, model, step_fn)
+    return results
+
+
+@pytest.mark.parametrize("remote_handles", [True, False])
+def test_nested_calls_match_one_process(remote_handles):
+    reference = run_distributed(_run_nested, 1, True)[0]
+    results = run_distributed(_run_nested, 3, remote_handles)
+    for scenario in NESTED_SCENARIOS:
+        _assert_equal(reference[scenario], [r[scenario] for r in results], NESTED_PLACEMENT)
 
 
 def _stale(rank: int, world: int, where: str) -> list[str]:
     """A handle kept past its microbatch (or its step) and passed back to its owner by reference."""
     torch.manual_seed(0)
     model = Model()
-    engine = PipelineEngine(make_transport(list(range(world))), world, active_microbatches=1, timeout_s=60,
-                            remote_handles=True)
+    engine = PipelineEngine(make_transport(list(range(world))), world, timeout_s=60, remote_handles=True,
+                            active_microbatches=2 if where == "in flight" else 1)
     engine.install(model, expand_placement(model, PLACEMENT))
     kept, outcome = [], []
     for index in range(2):
@@ -267,7 +395,7 @@ def _stale(rank: int, world: int, where: str) -> list[str]:
         try:
             with engine.session() as session:
                 if engine.is_driver:
-                    microbatches = split_microbatches(_batch(index), 2 if where == "microbatch" else 1)
+                    microbatches = split_microbatches(_batch(index), 1 if where == "step" else 2)
                     session.drive(step, microbatches, loss_fn=lambda loss: loss, backward=True)
                     session.finish(None)
                 else:
@@ -278,16 +406,22 @@ def _stale(rank: int, world: int, where: str) -> list[str]:
     return outcome
 
 
-@pytest.mark.parametrize("where", ["microbatch", "step"])
+@pytest.mark.parametrize("where", ["microbatch", "in flight", "step"])
 def test_a_stale_handle_passed_by_reference_fails_at_once(where):
+    """A handle of a finished microbatch, of another microbatch whatever its progress (whether it has finished
+    would depend on timing), or of an earlier step, passed back to its owner: a clear error at once."""
     driver, server = run_distributed(_stale, 2, where)
-    message = driver[0] if where == "microbatch" else driver[1]
-    expected = ("was used after that microbatch had finished" if where == "microbatch"
-                else "was passed to a call after its pipelined step ended")
-    assert expected in message and "'pair'" in message and "pipeline stage 1 (global rank 1)" in message, message
+    message = driver[1] if where == "step" else driver[0]
+    expected = {
+        "microbatch": ("was used after that microbatch had finished",),
+        "in flight": ("was used after that microbatch had finished", "Values cannot cross microbatches"),
+        "step": ("was passed to a call after its pipelined step ended",),
+    }[where]
+    assert any(e in message for e in expected), message
+    assert "'pair'" in message and "pipeline stage 1 (global rank 1)" in message, message
     assert message.endswith("[True]"), f"failed at once, not after the 60 s timeout: {message}"
     assert "Timed out" not in message
-    server_message = server[0] if where == "microbatch" else server[1]
+    server_message = server[1] if where == "step" else server[0]
     assert server_message.startswith("The step failed on pipeline stage 0"), server_message
 
 

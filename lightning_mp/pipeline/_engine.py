@@ -49,6 +49,7 @@ from lightning_mp.pipeline._handles import (
     materialize,
     materialize_module_inputs,
     resolve,
+    walk_containers,
 )
 from lightning_mp.pipeline._rng import MicrobatchRNG, draws_no_random_numbers
 from lightning_mp.pipeline._scheduler import ComputeToken, GrantOrder, Priority
@@ -76,6 +77,7 @@ class _Envelope:
     body: Any = None
     microbatch: int = 0
     done: tuple[int, ...] = ()  # microbatches the driver finished since its last message to this stage ("free")
+    origin: tuple | None = None  # the served request the sender sent this from (None: a microbatch's own code)
 
 
 @dataclass(frozen=True)
@@ -268,6 +270,7 @@ class PipelineEngine:
         self.global_ranks = list(global_ranks) if global_ranks is not None else list(range(num_stages))
         self._modules: dict[str, nn.Module] = {}
         self._stage_of: dict[str, int] = {}
+        self._subtree_stages: dict[str, set[int]] = {}  # stages of the modules with parameters under each FQN
         self._session: PipelineSession | None = None
         self._call_ids = itertools.count()
         self._sessions = itertools.count()
@@ -324,6 +327,10 @@ class PipelineEngine:
                 )
             self._modules[fqn] = module
             self._stage_of[fqn] = stage if id(module) in stateful else self.stage
+            if id(module) in stateful and next(module.parameters(recurse=False), None) is not None:
+                parts = fqn.split(".") if fqn else []
+                for depth in range(len(parts) + 1):
+                    self._subtree_stages.setdefault(".".join(parts[:depth]), set()).add(stage)
         for fqn, module in modules:
             if self._stage_of[fqn] != self.stage and first_name[id(module)] == fqn:
                 _release_and_stub(module, fqn, self._stage_of[fqn], self)
@@ -374,6 +381,22 @@ class PipelineEngine:
 
     def stage_of(self, fqn: str) -> int:
         return self._stage_of[fqn]
+
+    def _calls_other_stages(self, fqn: str, stage: int, span: tuple[int, int] | None) -> bool:
+        """May running ``fqn`` (its children ``span``) on ``stage`` call modules on other stages?
+
+        [Note: which calls are one-way] With remote handles only the driver's microbatch code makes one-way calls,
+        and only to modules whose whole subtree lives on the owner. A call that may make nested calls, and every
+        call made while serving a request, waits for its outputs instead: so a nested call has run by the time its
+        caller's program goes on, as on one process. Otherwise a module called in one microbatch both through a
+        nested call (stage 0 -> 1 -> 2) and directly (stage 0 -> 2) could run those calls in the opposite order on
+        its owner, and its random streams and BatchNorm updates would depend on the layout.
+        """
+        if span is None:
+            return bool(self._subtree_stages.get(fqn, set()) - {stage})
+        names = list(self._modules[fqn]._modules)[span[0] : span[1]]
+        prefix = f"{fqn}." if fqn else ""
+        return any(self._subtree_stages.get(prefix + name, set()) - {stage} for name in names)
 
     # ---- sessions --------------------------------------------------------------------------------------------
 
@@ -431,7 +454,7 @@ class PipelineEngine:
             )
         grad_enabled = torch.is_grad_enabled()
         call_id = (self.stage, next(self._call_ids))
-        if self.remote_handles:
+        if self.remote_handles and task.ident[:1] == ("mb",) and not self._calls_other_stages(fqn, stage, span):
             return session.call_async(stage, call_id, (fqn, args, kwargs, grad_enabled, span), task)
         envelope = session.envelope("fwd", call_id, (fqn, args, kwargs, grad_enabled, span), task.microbatch)
         packed = pack(envelope)
@@ -645,8 +668,10 @@ class PipelineSession:
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
     def envelope(self, kind: str, call_id: tuple[int, int] | None = None, body: Any = None, microbatch: int = 0) -> _Envelope:
-        """A message of this step."""
-        return _Envelope(kind, self.step, call_id, body, microbatch)
+        """A message of this step, naming the served request it is sent from (see ``_enter_chain``)."""
+        task = _current_task()
+        origin = task.ident if task is not None and task.ident[:1] == ("call",) else None
+        return _Envelope(kind, self.step, call_id, body, microbatch, origin=origin)
 
     def priority(self, task: _Task) -> Priority:
         engine = self.engine
@@ -964,7 +989,7 @@ class PipelineSession:
             else:
                 # Leader/followers: a new thread listens to this peer, and this one, already awake with the
                 # request in hand, serves it (one thread wake-up less on the critical path than handing it over).
-                previous, mine = self._enter_chain(peer, envelope)
+                previous, mine = self._enter_chain(peer, envelope) if self.engine.remote_handles else (None, None)
                 with self._lock:
                     self._serving += 1
                 self._listen(peer)
@@ -977,7 +1002,10 @@ class PipelineSession:
 
         [Note: one microbatch's requests run in arrival order] A caller sends the requests of one microbatch in its
         program order, and with remote handles it does not wait for one before sending the next. The owner runs
-        them in that order: each waits until the previous request of the same (caller, microbatch) has finished.
+        them in that order: each waits until the previous request of the same (caller stage, microbatch, origin)
+        has finished, where the origin is the request the caller was serving when it sent it (None for the
+        driver's microbatch code): a nested call (stage 0 -> 1 -> 0 -> 1) must not queue behind the call that is
+        waiting for it.
         Otherwise a call with data arguments would overtake an earlier one waiting for a referenced output, and
         per-call random streams ("the n-th call of module F in microbatch m", ``_rng.py``) and deferred buffer
         updates (BatchNorm, ``_state.py``) would follow execution order, not the program's; a fetch would miss an
@@ -985,7 +1013,7 @@ class PipelineSession:
         pipeline's overlap is between microbatches. The chain also keeps a microbatch's outputs until its last
         request has run (``_free``), so a call the driver never waited for still finds what it references.
         """
-        key = (peer, envelope.microbatch)
+        key = (peer, envelope.microbatch, envelope.origin)
         mine = _Future()
         with self._lock:
             previous = self._chains.get(key)
@@ -1165,9 +1193,9 @@ class PipelineSession:
 
     def _run_get(self, envelope: _Envelope) -> Any:
         call_id, path, label = envelope.body
-        value = self._resolve(call_id, path, envelope.microbatch)
+        depth, value = walk_containers(self._resolve(call_id, (), envelope.microbatch), path)
         with _PackingFor(self, None):  # remote values inside it are fetched here and sent as data
-            reply = pack(self.envelope("reply", envelope.call_id, value, envelope.microbatch))
+            reply = pack(self.envelope("reply", envelope.call_id, (depth, value), envelope.microbatch))
         outputs = [t for t in reply.tensors if t.requires_grad and _differentiable(t)]
         if outputs:
             with self._lock:
@@ -1266,6 +1294,14 @@ class PipelineSession:
                 f" microbatch had finished, and {where}, which computed it, has dropped it. Use a microbatch's values"
                 " within its own step function, or return them from it."
             )
+        task = _current_task()
+        if task is not None and task.microbatch != handle._rv_microbatch:
+            # whether the other microbatch has finished would depend on timing: refuse it always
+            raise PipelineError(
+                f"The output of {handle._rv_label!r} of microbatch {handle._rv_microbatch} (on {where}) was used in"
+                f" microbatch {task.microbatch}. Values cannot cross microbatches of a pipelined step: use a"
+                " microbatch's values within its own step function, or return them from it."
+            )
 
     def fetch(self, handle: RemoteValue) -> Any:
         """Bring the value behind ``handle`` here: one round trip to its owner, connected to autograd."""
@@ -1275,6 +1311,7 @@ class PipelineSession:
                 f"The output of {label!r} (computed on {self.engine.describe_stage(handle._rv_stage)}) was touched"
                 " after its pipelined step ended; only values returned by the step are fetched for you."
             )
+        self.check_reference(handle)
         task = _current_task() or _Task(handle._rv_microbatch, _FORWARD)
         fetch_id = (self.engine.stage, next(self.engine._call_ids))
         body = (handle._rv_call_id, handle._rv_path, label)

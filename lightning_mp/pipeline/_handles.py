@@ -83,8 +83,22 @@ def _step(value: Any, key: Any) -> Any:
     return value[key]
 
 
+def walk_containers(value: Any, path: tuple) -> tuple[int, Any]:
+    """Owner side of a fetch of ``value[path[0]][path[1]]...``: index only into tuples, lists and dicts (incl.
+    Hugging Face's ``ModelOutput``); return ``(how many keys were used, the value reached)``. The caller indexes
+    the rest itself, so a part of a tensor or of any other object is a view of, or a reference into, the whole,
+    as in eager code (``c = y[0]`` is a view of ``y``)."""
+    for depth, key in enumerate(path):
+        if not isinstance(value, (tuple, list, dict)):
+            return depth, value
+        value = value[key]
+    return len(path), value
+
+
 def _replace(value: Any, key: Any, part: Any) -> Any:
     """``value`` with ``value[key]`` being ``part`` (the same object): a new tuple (or named tuple), else in place."""
+    if isinstance(value, dict) and isinstance(key, int) and key not in value:  # ModelOutput: ``out[0]`` is a field
+        key = list(value.keys())[key]
     if value[key] is part:
         return value
     if isinstance(value, tuple):
@@ -122,7 +136,7 @@ class RemoteValue:
         self._rv_fetched = False
         self._rv_value: Any = None
         self._rv_children: dict[Any, RemoteValue] = {}
-        self._rv_lock = threading.Lock()
+        self._rv_lock = parent._rv_lock if parent is not None else threading.RLock()  # one per call's output
 
     # ---- fetching -------------------------------------------------------------------------------------------
 
@@ -131,14 +145,29 @@ class RemoteValue:
             return self._rv_value
         with self._rv_lock:
             if not self._rv_fetched:
-                parent = self._rv_parent
-                if parent is not None and parent._rv_fetched:
-                    value = _step(parent._rv_value, self._rv_path[-1])
+                if self._rv_fetched_above():  # a part of a fetched value: index it here (a view of a tensor)
+                    value = _step(self._rv_parent._rv_materialize(), self._rv_path[-1])
                 else:
                     self._rv_touched[0] = True
-                    value = self._rv_adopt(self._rv_session.fetch(self))
+                    depth, value = self._rv_session.fetch(self)
+                    if depth < len(self._rv_path):  # the owner sent the value this is a part of (not a container)
+                        owner_of = self
+                        while len(owner_of._rv_path) > depth:
+                            owner_of = owner_of._rv_parent
+                        owner_of._rv_value, owner_of._rv_fetched = owner_of._rv_adopt(value), True
+                        value = _step(self._rv_parent._rv_materialize(), self._rv_path[-1])
+                    else:
+                        value = self._rv_adopt(value)
                 self._rv_value, self._rv_fetched = value, True
         return self._rv_value
+
+    def _rv_fetched_above(self) -> bool:
+        node = self._rv_parent
+        while node is not None:
+            if node._rv_fetched:
+                return True
+            node = node._rv_parent
+        return False
 
     def _rv_adopt(self, value: Any) -> Any:
         """``value`` with the parts that were fetched before it (``h[0]`` fetched, then ``h``) replaced by those
@@ -301,8 +330,11 @@ class _Ref(RemoteValue):
         return self._rv_materialize()[key]
 
 
+_REMOTE_TYPES = frozenset((RemoteValue, _Ref))
+
+
 def _is_remote(value: Any) -> bool:
-    return isinstance(type(value), type) and issubclass(type(value), RemoteValue)
+    return type(value) in _REMOTE_TYPES  # ``type()``, not ``__class__``: that would fetch
 
 
 def materialize(tree: Any) -> Any:
