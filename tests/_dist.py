@@ -22,6 +22,9 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callab
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
     finally:
+        for transport in _TRANSPORTS:  # stop the pair planes' communication threads before their groups go
+            transport.close()
+        _TRANSPORTS.clear()
         dist.destroy_process_group()
 
 
@@ -38,6 +41,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, start_m
         return [torch.load(os.path.join(tmp, f"{r}.pt"), weights_only=False) for r in range(world_size)]
 
 
+_TRANSPORTS: list = []  # made by ``make_transport`` in this process
+
 PLANES = ("gloo", "strict_mock")
 """Data planes the CPU engine tests run over: gloo, and the strict mock of NCCL's rules (see comm/_planes.py)."""
 
@@ -51,4 +56,6 @@ def make_transport(ranks: list[int], plane: str = "gloo", timeout_s: float = 60.
         return Transport(group, torch.device("cpu"))
     pairs = build_pair_groups([ranks], "gloo")
     data_plane = make_data_plane(plane, group, torch.device("cpu"), pairs, timeout_s) if group is not None else None
-    return Transport(group, torch.device("cpu"), data_plane)
+    transport = Transport(group, torch.device("cpu"), data_plane)
+    _TRANSPORTS.append(transport)
+    return transport
