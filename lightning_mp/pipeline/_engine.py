@@ -907,33 +907,37 @@ class PipelineSession:
         return outputs
 
     def _run_threads(self, run: Callable[[int, _WaveBarrier | None], None], count: int) -> None:
+        """Run microbatches ``0 .. count-1`` on ``active_microbatches`` threads, in order.
+
+        Each thread runs one microbatch after the other: when one finishes, the thread that ran it starts the
+        next itself (no hand-off to a starting thread), so at most ``active_microbatches`` are in flight.
+        "simple" makes waves of that many, whose forwards all finish before their backwards start.
+        """
         cap = max(1, min(self.engine.active_microbatches, count))
-        slots = threading.Semaphore(cap)
+        simple = self.engine.schedule == "simple"
+        barriers = [_WaveBarrier(min(cap, count - s), self.raise_if_failed) if simple else None for s in range(0, count, cap)]
+        work = iter([(index, barriers[index // cap]) for index in range(count)])
+        lock = threading.Lock()
 
-        def guarded(index: int, barrier: _WaveBarrier | None) -> None:
+        def worker() -> None:
             self._enter_thread()
-            try:
-                run(index, barrier)
-            except BaseException as err:
-                self.fail(err)
-                if barrier is not None:
-                    barrier.breaks()
-            finally:
-                slots.release()
+            while True:
+                with lock:
+                    item = next(work, None) if self._error is None else None
+                if item is None:
+                    return
+                index, barrier = item
+                try:
+                    run(index, barrier)
+                except BaseException as err:
+                    self.fail(err)
+                    for wave in barriers:
+                        if wave is not None:
+                            wave.breaks()
 
-        threads = []
-        waves = [range(s, min(s + cap, count)) for s in range(0, count, cap)] if self.engine.schedule == "simple" else [range(count)]
-        for wave in waves:
-            barrier = _WaveBarrier(len(wave), self.raise_if_failed) if self.engine.schedule == "simple" else None
-            for index in wave:
-                while not slots.acquire(timeout=_POLL_S):
-                    if self._error is not None:
-                        break
-                if self._error is not None:
-                    break
-                thread = threading.Thread(target=guarded, args=(index, barrier), daemon=True, name=f"smp-mb-{index}")
-                thread.start()
-                threads.append(thread)
+        threads = [threading.Thread(target=worker, daemon=True, name=f"smp-mb-{k}") for k in range(cap)]
+        for thread in threads:
+            thread.start()
         for thread in threads:
             thread.join()
         self.raise_if_failed()
