@@ -15,7 +15,8 @@ for the whole measurement (torch releases the GIL in them), so every engine thre
 for a core, as when both stages compute. Rows alternate round by round in the same processes; the table shows
 the median and 90th percentile microseconds per call over every call of every round (rank 0's clock), the step's
 CPU time and context switches per call on each rank (``getrusage``, all threads, the background thread included
-under load: compare rows of one load only). Only ratios between rows of one run mean anything.
+under load: compare rows of one load only), and how many of those were voluntary (a thread blocked: hand-offs and
+waits; the others are preemptions, which grow with the machine's load). Only ratios between rows of one run mean anything.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ def _rank(rank: int, init_file: str, out_dir: str, args: argparse.Namespace) -> 
         per_call: dict[str, list[float]] = {row: [] for row in args.rows}
         cpu: dict[str, list[float]] = {row: [] for row in args.rows}
         switches: dict[str, list[float]] = {row: [] for row in args.rows}
+        voluntary: dict[str, list[float]] = {row: [] for row in args.rows}
 
         def step(engine: PipelineEngine, model: Model, calls: int, times: list[float]) -> None:
             def run(mb: torch.Tensor, index: int) -> None:
@@ -130,7 +132,8 @@ def _rank(rank: int, init_file: str, out_dir: str, args: argparse.Namespace) -> 
                     calls = args.calls
                     cpu[row].append((after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime) / calls)
                     switches[row].append((after.ru_nvcsw + after.ru_nivcsw - usage.ru_nvcsw - usage.ru_nivcsw) / calls)
-        torch.save({"per_call": per_call, "cpu": cpu, "switches": switches}, os.path.join(out_dir, f"{rank}.pt"))
+                    voluntary[row].append((after.ru_nvcsw - usage.ru_nvcsw) / calls)
+        torch.save({"per_call": per_call, "cpu": cpu, "switches": switches, "voluntary": voluntary}, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -157,7 +160,7 @@ def main() -> None:
         f"\nA {args.kib} KiB request from stage 0 to stage 1 and its value back, {args.calls} calls x {args.rounds}"
         f" rounds per row, 2 CPU processes (gloo, 1 thread each); load: a matmul thread on each rank"
     )
-    header = f"{'row':<16} {'median us/call':>14} {'p90 us/call':>12} {'CPU us/call r0 / r1':>20} {'ctx sw/call r0 / r1':>20}"
+    header = f"{'row':<16} {'median us/call':>14} {'p90 us/call':>12} {'CPU us/call r0 / r1':>20} {'ctx sw/call r0 / r1':>20} {'of them voluntary':>18}"
     print(header)
     print("-" * len(header))
     for row in args.rows:
@@ -166,7 +169,8 @@ def main() -> None:
         p90 = 1e6 * times[int(0.9 * (len(times) - 1))]
         cpu = " / ".join(f"{1e6 * statistics.median(r['cpu'][row]):.0f}" for r in results)
         sw = " / ".join(f"{statistics.median(r['switches'][row]):.1f}" for r in results)
-        print(f"{row:<16} {median:14.0f} {p90:12.0f} {cpu:>20} {sw:>20}")
+        vol = " / ".join(f"{statistics.median(r['voluntary'][row]):.1f}" for r in results)
+        print(f"{row:<16} {median:14.0f} {p90:12.0f} {cpu:>20} {sw:>20} {vol:>18}")
 
 
 if __name__ == "__main__":

@@ -1022,7 +1022,7 @@ class PipelineSession:
                 return True
 
     def _serve_request(self, peer: int, message: Message, refs: list | None = None) -> None:
-        self._enter_thread()
+        # runs on a request worker, which has entered its thread once ([Note: request workers])
         envelope: _Envelope = message.obj
         kind = envelope.kind
         phase = _FORWARD if kind in ("fwd", "call", "get") else _BACKWARD
