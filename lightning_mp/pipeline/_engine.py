@@ -10,8 +10,9 @@ Backward crosses ranks through :mod:`lightning_mp.comm._autograd` (see [Note: re
 Because requests are made by ordinary Python calls, data-dependent branches, loops and calling one module
 several times keep working, and any stage may call any other.
 
-Concurrency: each microbatch (driver) and each served request runs in its own thread and computes only while
-holding the rank's compute token ([Note: one compute token per rank] in ``_scheduler.py``).
+Concurrency: the driver runs its microbatches on ``active_microbatches`` long-lived threads, and each peer's
+requests are received and served by a pool of long-lived workers ([Note: request workers]); every one of them
+computes only while holding the rank's compute token ([Note: one compute token per rank] in ``_scheduler.py``).
 
 One pipelined step is a :class:`PipelineSession`::
 
