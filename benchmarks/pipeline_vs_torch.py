@@ -24,7 +24,9 @@ per method and microbatch count); the table shows the median step time of rank 0
 peak activation memory per rank: the largest total size of tensors saved for backward (autograd's saved
 tensors, parameters excluded, counted through ``torch.autograd.graph.saved_tensors_hooks`` around every block)
 alive at once during a step, and each process's CPU time and context switches per step (``getrusage``, all its
-threads; rank 1 idles in a barrier during "one process"). On a loaded machine the wall times of all methods
+threads; rank 1 idles in a barrier during "one process"; the voluntary ones are a thread blocking, i.e. the
+hand-offs and waits; the rest are preemptions, which grow with the machine's load) and minor page faults per step (``ru_minflt``: memory
+the allocator got fresh from the kernel, zeroed page by page). On a loaded machine the wall times of all methods
 stretch; CPU time and context switches are the less load-sensitive measures of overhead.
 """
 
@@ -258,6 +260,8 @@ def _rank(rank: int, init_file: str, out_dir: str, args: argparse.Namespace) -> 
         times: dict[tuple[str, int], list[float]] = {key: [] for key in runners}
         cpu: dict[tuple[str, int], list[float]] = {key: [] for key in runners}
         switches: dict[tuple[str, int], list[int]] = {key: [] for key in runners}
+        faults: dict[tuple[str, int], list[int]] = {key: [] for key in runners}
+        voluntary: dict[tuple[str, int], list[int]] = {key: [] for key in runners}
         peaks: dict[tuple[str, int], int] = {key: 0 for key in runners}
         for round_index in range(args.rounds + 1):  # round 0 warms every method up
             for key, run in runners.items():
@@ -273,8 +277,10 @@ def _rank(rank: int, init_file: str, out_dir: str, args: argparse.Namespace) -> 
                         times[key].append(elapsed)
                         cpu[key].append(after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime)
                         switches[key].append(after.ru_nvcsw + after.ru_nivcsw - usage.ru_nvcsw - usage.ru_nivcsw)
+                        faults[key].append(after.ru_minflt - usage.ru_minflt)
+                        voluntary[key].append(after.ru_nvcsw - usage.ru_nvcsw)
                         peaks[key] = max(peaks[key], meter.peak)
-        torch.save({"times": times, "peaks": peaks, "cpu": cpu, "switches": switches}, os.path.join(out_dir, f"{rank}.pt"))
+        torch.save({"times": times, "peaks": peaks, "cpu": cpu, "switches": switches, "faults": faults, "voluntary": voluntary}, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -300,7 +306,7 @@ def main() -> None:
     )
     header = (
         f"{'M':>2} {'method':<30} {'ms/step':>8} {'% of ideal':>10} {'ours / torch best':>17} {'peak act MiB r0 / r1':>21}"
-        f" {'CPU ms/step r0 / r1':>20} {'ctx sw/step r0 / r1':>20}"
+        f" {'CPU ms/step r0 / r1':>20} {'ctx sw/step r0 / r1':>20} {'of them voluntary':>18} {'page faults/step r0 / r1':>25}"
     )
     print(header)
     print("-" * len(header))
@@ -314,9 +320,11 @@ def main() -> None:
             vs = f"{median[name] / torch_best:16.2f}x" if name != "one process" else ""
             cpu = " / ".join(f"{1000 * statistics.median(r['cpu'][(name, m)]):.0f}" for r in results)
             switches = " / ".join(f"{statistics.median(r['switches'][(name, m)]):.0f}" for r in results)
+            faults = " / ".join(f"{statistics.median(r['faults'][(name, m)]):.0f}" for r in results)
+            vol = " / ".join(f"{statistics.median(r['voluntary'][(name, m)]):.0f}" for r in results)
             print(
                 f"{m:>2} {name:<30} {median[name]:8.1f} {100 * ideal / median[name]:9.0f}% {vs:>17} {peaks:>21}"
-                f" {cpu:>20} {switches:>20}"
+                f" {cpu:>20} {switches:>20} {vol:>18} {faults:>25}"
             )
         for schedule in ("simple", "interleaved"):
             ratio = median[f"lightning_mp {schedule} loop"] / median[f"lightning_mp {schedule}"]

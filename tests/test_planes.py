@@ -120,6 +120,42 @@ def test_messages_cross_every_cpu_plane_intact_and_in_order(plane):
             torch.testing.assert_close(received["x"], expected["x"], rtol=0, atol=0)
 
 
+def _frame_layouts(rank: int, world_size: int, plane: str) -> list:
+    """One message of each wire layout ([Note: one frame per message]), sent twice in a row."""
+    from lightning_mp.comm._transport import _HEADER_NBYTES
+
+    transport = make_transport([0, 1], plane)
+    torch.manual_seed(0)
+    messages = [
+        ("no tensor", "x" * 100),
+        ("data in the header", torch.randn(1024)),
+        ("data over the header", torch.randn(_HEADER_NBYTES // 4 + 1)),  # one float more than the header holds
+        ("pickle over the header", ("p" * _HEADER_NBYTES, torch.randn(8))),
+        ("empty tensor", torch.empty(0, 3)),
+    ]
+    if rank == 0:
+        for _ in range(2):
+            for message in messages:
+                transport.send(message, 1)
+        transport.close()
+        return []
+    return [[transport.recv(0).obj for _ in range(2 * len(messages))], messages]
+
+
+@pytest.mark.parametrize("plane", PLANES)
+def test_every_frame_layout_crosses_intact_and_in_order(plane):
+    got, sent = run_distributed(_frame_layouts, 2, plane, start_method="fork")[1]
+    assert [name for name, _ in got] == [name for name, _ in sent] * 2
+    for (name, received), (_, expected) in zip(got, sent * 2):
+        if isinstance(expected, tuple):
+            assert received[0] == expected[0], name
+            received, expected = received[1], expected[1]
+        if isinstance(expected, torch.Tensor):
+            torch.testing.assert_close(received, expected, rtol=0, atol=0, msg=name)
+        else:
+            assert received == expected, name
+
+
 def test_unknown_or_impossible_data_planes_are_named_errors():
     class _Fake:
         pass

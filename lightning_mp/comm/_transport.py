@@ -4,15 +4,27 @@ A message is any picklable object; every ``torch.Tensor`` inside it (at any dept
 dataclasses, NamedTuples, custom objects) travels as raw bytes over ``torch.distributed`` send/recv, the
 rest as a pickle. On the wire one message is one to three frames on one (src, dst) pair::
 
-    header   uint8[4096]            int64 pickle_nbytes, data_nbytes, seq (per ordered pair), then the pickle if it fits
+    header   uint8[<= 1 MiB]        int64 pickle_nbytes, data_nbytes, seq (per ordered pair), inline; then the
+                                    pickle if it fits, then (inline = 1) the data too, 16-byte aligned
     pickle   uint8[pickle_nbytes]   only if the pickle does not fit in the header
-    data     uint8[data_nbytes]     every tensor's bytes, 16-byte aligned, in placeholder order (omitted if 0)
+    data     uint8[data_nbytes]     every tensor's bytes, 16-byte aligned, in placeholder order (omitted if 0 or inline)
 
 Header and pickle form the *control plane* (a CPU gloo group); the data frame goes over a *data plane* (gloo,
 staged through pinned host memory for CUDA tensors, or NCCL): [Note: two planes] in ``_planes.py``.
 
 The pickle holds the skeleton with tensor placeholders and per-tensor (shape, dtype, requires_grad). Most
-messages (requests, replies, gradients) have a small pickle, so they take one frame plus one for the data.
+messages (requests, replies, gradients) have a small pickle, so they take one frame plus one for the data, or
+one frame in all where the data rides in the header ([Note: one frame per message]).
+
+[Note: one frame per message] The header frame has a variable length: the receiver always posts one receive of
+the largest header (``_HEADER_NBYTES``, into a buffer it reuses per peer), and gloo delivers a shorter message
+into it (measured on gloo's TCP transport, torch 2.13). On the gloo data plane with CPU tensors, a message whose
+pickle and data fit travels as that one frame. A separate data frame costs gloo a rendezvous: the receiver posts
+that receive only once it has read the header (it needs the byte count), so the sender's ``send`` waits for the
+receiving thread to wake up, read the header and post, then for the bytes to go. With the data inline the
+header receive that a listener posted long before takes the whole message. With this and the request workers
+of ``_engine.py``, a 4 KiB request and its reply took about half the voluntary context switches per call and a
+fraction of the time (``benchmarks/engine_latency.py``, against the two-frame layout, alternating runs).
 
 Frames of one message are sent under a per-destination lock, so threads may send concurrently. A tensor that
 appears twice in a message arrives as one tensor. Received tensors are fresh leaves (own storage) with the
@@ -37,8 +49,8 @@ import torch.distributed as dist
 __all__ = ["Message", "Packed", "Transport", "gather", "pack"]
 
 _ALIGN = 16
-_HEADER_NBYTES = 4096
-_LENGTHS_NBYTES = 24  # int64 pickle_nbytes, data_nbytes, seq
+_HEADER_NBYTES = 1 << 20  # the largest header frame; a message sends only the bytes it uses
+_LENGTHS_NBYTES = 32  # int64 pickle_nbytes, data_nbytes, seq, inline (0 or 1)
 
 
 @dataclass(frozen=True)
@@ -212,6 +224,9 @@ class Transport:
         self._send_locks = [threading.Lock() for _ in range(self.size)]
         self._send_seq = [0] * self.size  # per destination, under its lock
         self._recv_seq = [0] * self.size  # per source, in its receiving thread
+        # [Note: one frame per message]: CPU tensors on the gloo data plane may ride in the header frame
+        self._inline_data = getattr(data_plane, "name", None) == "gloo" and device.type == "cpu"
+        self._recv_buffers: list[torch.Tensor | None] = [None] * self.size
 
     def send(self, message: Any, dst: int) -> None:
         """Send ``message`` (an object or a :class:`Packed`) to group rank ``dst``.
@@ -221,15 +236,22 @@ class Transport:
         """
         packed = message if isinstance(message, Packed) else pack(message)
         payload_nbytes = len(packed.payload)
-        inline = payload_nbytes <= _HEADER_NBYTES - _LENGTHS_NBYTES
-        header = bytearray(_HEADER_NBYTES)
+        inline = _LENGTHS_NBYTES + payload_nbytes <= _HEADER_NBYTES
+        data_at = _padded(_LENGTHS_NBYTES + payload_nbytes)
+        inline_data = inline and self._inline_data and packed.data_nbytes and data_at + packed.data_nbytes <= _HEADER_NBYTES
+        if inline_data:  # [Note: one frame per message]
+            header = bytearray(data_at + packed.data_nbytes)
+            gather(packed, torch.frombuffer(header, dtype=torch.uint8, offset=data_at))
+        else:
+            header = bytearray(_LENGTHS_NBYTES + payload_nbytes if inline else _LENGTHS_NBYTES)
         if inline:
             header[_LENGTHS_NBYTES : _LENGTHS_NBYTES + payload_nbytes] = packed.payload
-        wire = self.data_plane.gather(packed) if packed.data_nbytes else None  # before the header: see _planes.py
+        # before the header: see _planes.py
+        wire = self.data_plane.gather(packed) if packed.data_nbytes and not inline_data else None
         with self._send_locks[dst]:
             seq = self._send_seq[dst]
             self._send_seq[dst] = seq + 1
-            struct.pack_into("<qqq", header, 0, payload_nbytes, packed.data_nbytes, seq)
+            struct.pack_into("<qqqq", header, 0, payload_nbytes, packed.data_nbytes, seq, int(bool(inline_data)))
             dist.send(torch.frombuffer(header, dtype=torch.uint8), group=self.group, group_dst=dst)
             if not inline:
                 dist.send(torch.frombuffer(bytearray(packed.payload), dtype=torch.uint8), group=self.group, group_dst=dst)
@@ -243,22 +265,27 @@ class Transport:
             RuntimeError: what the backend raises when the peer is gone or nothing arrives within its timeout, or
                 a message out of sequence (a protocol error).
         """
-        header = torch.empty(_HEADER_NBYTES, dtype=torch.uint8)
+        header = self._recv_buffers[src]  # one receiving thread per peer at a time: reused
+        if header is None:
+            header = self._recv_buffers[src] = torch.empty(_HEADER_NBYTES, dtype=torch.uint8)
         dist.recv(header, group=self.group, group_src=src)
         arrived_s = time.perf_counter()
         raw = header.numpy()
-        payload_nbytes, data_nbytes, seq = struct.unpack_from("<qqq", raw, 0)
+        payload_nbytes, data_nbytes, seq, inline_data = struct.unpack_from("<qqqq", raw, 0)
         if seq != self._recv_seq[src]:
             raise RuntimeError(f"internal: message {seq} from rank {src} arrived when {self._recv_seq[src]} was due")
         self._recv_seq[src] = seq + 1
-        if payload_nbytes <= _HEADER_NBYTES - _LENGTHS_NBYTES:
+        if _LENGTHS_NBYTES + payload_nbytes <= _HEADER_NBYTES:
             payload = raw[_LENGTHS_NBYTES : _LENGTHS_NBYTES + payload_nbytes].tobytes()
         else:
             pickled = torch.empty(payload_nbytes, dtype=torch.uint8)
             dist.recv(pickled, group=self.group, group_src=src)
             payload = pickled.numpy().tobytes()
         data = None
-        if data_nbytes:
+        if inline_data:  # [Note: one frame per message]; _unpack copies the tensors out of the reused buffer
+            data_at = _padded(_LENGTHS_NBYTES + payload_nbytes)
+            data = header[data_at : data_at + data_nbytes]
+        elif data_nbytes:
             # [Note: two planes] the data receive is posted only now, with the byte count from the header.
             self.data_plane.header_read(src, seq, data_nbytes)
             data = self.data_plane.recv(data_nbytes, src, seq)

@@ -10,8 +10,9 @@ Backward crosses ranks through :mod:`lightning_mp.comm._autograd` (see [Note: re
 Because requests are made by ordinary Python calls, data-dependent branches, loops and calling one module
 several times keep working, and any stage may call any other.
 
-Concurrency: each microbatch (driver) and each served request runs in its own thread and computes only while
-holding the rank's compute token ([Note: one compute token per rank] in ``_scheduler.py``).
+Concurrency: the driver runs its microbatches on ``active_microbatches`` long-lived threads, and each peer's
+requests are received and served by a pool of long-lived workers ([Note: request workers]); every one of them
+computes only while holding the rank's compute token ([Note: one compute token per rank] in ``_scheduler.py``).
 
 One pipelined step is a :class:`PipelineSession`::
 
@@ -638,7 +639,13 @@ class PipelineSession:
         self._done_unsent: dict[int, list[int]] = {}  # driver: finished microbatches to tell each stage
         self._end = _Future()
         self._error: BaseException | None = None
-        self._receivers: list[threading.Thread] = []
+        self._receivers: list[threading.Thread] = []  # every worker and the order thread, to join at close
+        # [Note: request workers], per peer under ``_lock``: a worker is the listener, idle followers, their turn
+        self._listening: dict[int, bool] = {}
+        self._idle_workers: dict[int, int] = {}
+        self._turns = {peer: threading.Condition(self._lock) for peer in self.peers}
+        self._peer_closed: set[int] = set()
+        self._workers_stop = False
         self._finished = False
         self._last_heard = time.monotonic()  # last message from a peer, or last served request finished
         # [Note: intra-op threads of engine threads] torch.set_num_threads(n) reaches OpenMP/MKL only in the thread
@@ -748,18 +755,63 @@ class PipelineSession:
 
     def start(self) -> None:
         for peer in self.peers:
-            self._listen(peer)
+            self._listening[peer] = True
+            self._spawn_worker(peer)
         if self._order is not None and self._order.rank != 0:
             thread = threading.Thread(target=self._order_loop, daemon=True, name="smp-order")
             thread.start()
             self._receivers.append(thread)
 
-    def _listen(self, peer: int) -> None:
-        """Start the thread that receives the next messages from ``peer`` (one listener per peer at a time)."""
-        thread = threading.Thread(target=self._receive_loop, args=(peer,), daemon=True, name=f"smp-recv-{peer}")
+    # [Note: request workers] Each peer has a pool of long-lived worker threads for this step (leader/followers,
+    # Schmidt et al. 2000): one, the listener, receives from the peer; when it receives a request it hands the
+    # listening role on and serves the request itself (it is already awake, with the request in hand), then goes
+    # back to the pool. The role goes to the first worker that is free: an idle follower (one wake-up) or a
+    # worker that just finished serving, which takes it without waiting; only when every worker of the peer is
+    # busy does a new thread start. So a step starts about as many threads per peer as it has requests in
+    # flight at once, instead of one per request (each start is a clone and a wait for the new thread to run).
+
+    def _spawn_worker(self, peer: int) -> None:
+        """Start a worker thread of ``peer``'s pool, as its listener (the caller has set ``_listening[peer]``)."""
+        thread = threading.Thread(target=self._worker, args=(peer,), daemon=True, name=f"smp-recv-{peer}")
         with self._lock:
             self._receivers.append(thread)
         thread.start()
+
+    def _hand_on_listening(self, peer: int) -> None:
+        """The listener of ``peer`` took a request: let a free worker listen (see [Note: request workers])."""
+        with self._lock:
+            self._listening[peer] = False
+            spawn = not self._idle_workers.get(peer, 0)
+            if spawn:
+                self._listening[peer] = True
+            else:
+                self._turns[peer].notify()
+        if spawn:
+            self._spawn_worker(peer)
+
+    def _worker(self, peer: int) -> None:
+        """One worker of ``peer``'s pool: listen while it holds the role, serve what it received, wait for the role."""
+        self._enter_thread()  # copies out of the wire buffer run torch ops here too
+        turn = self._turns[peer]
+        while self._receive_loop(peer):  # False: nothing more comes from this peer (it closed the step, or failed)
+            with self._lock:
+                self._idle_workers[peer] = self._idle_workers.get(peer, 0) + 1
+                while self._listening[peer] and not self._workers_stop and peer not in self._peer_closed:
+                    turn.wait()
+                self._idle_workers[peer] -= 1
+                if self._listening[peer]:  # another worker listens, and this one is told to end
+                    return
+                self._listening[peer] = True  # the role is free: take it (even when told to end)
+        with self._lock:
+            self._peer_closed.add(peer)
+            turn.notify_all()
+
+    def _stop_workers(self) -> None:
+        """Idle workers end, and busy ones once they served their request, unless a peer's listening role is free."""
+        with self._lock:
+            self._workers_stop = True
+            for turn in self._turns.values():
+                turn.notify_all()
 
     def fail(self, error: BaseException) -> None:
         """Record the first failure; every waiter on this rank raises it."""
@@ -799,8 +851,9 @@ class PipelineSession:
                     self._order.send(last, follower)
                 except Exception:  # the follower may be gone; its own session fails on its own
                     pass
+        self._stop_workers()
         joined = 0
-        while joined < len(self._receivers):  # a listener that took a request started the next listener
+        while joined < len(self._receivers):  # a listener that took a request may have started another worker
             self._receivers[joined].join(self.engine.timeout_s if self._error is None else _POLL_S)
             joined += 1
         with self._lock:
@@ -885,33 +938,37 @@ class PipelineSession:
         return outputs
 
     def _run_threads(self, run: Callable[[int, _WaveBarrier | None], None], count: int) -> None:
+        """Run microbatches ``0 .. count-1`` on ``active_microbatches`` threads, in order.
+
+        Each thread runs one microbatch after the other: when one finishes, the thread that ran it starts the
+        next itself (no hand-off to a starting thread), so at most ``active_microbatches`` are in flight.
+        "simple" makes waves of that many, whose forwards all finish before their backwards start.
+        """
         cap = max(1, min(self.engine.active_microbatches, count))
-        slots = threading.Semaphore(cap)
+        simple = self.engine.schedule == "simple"
+        barriers = [_WaveBarrier(min(cap, count - s), self.raise_if_failed) if simple else None for s in range(0, count, cap)]
+        work = iter([(index, barriers[index // cap]) for index in range(count)])
+        lock = threading.Lock()
 
-        def guarded(index: int, barrier: _WaveBarrier | None) -> None:
+        def worker() -> None:
             self._enter_thread()
-            try:
-                run(index, barrier)
-            except BaseException as err:
-                self.fail(err)
-                if barrier is not None:
-                    barrier.breaks()
-            finally:
-                slots.release()
+            while True:
+                with lock:
+                    item = next(work, None) if self._error is None else None
+                if item is None:
+                    return
+                index, barrier = item
+                try:
+                    run(index, barrier)
+                except BaseException as err:
+                    self.fail(err)
+                    for wave in barriers:
+                        if wave is not None:
+                            wave.breaks()
 
-        threads = []
-        waves = [range(s, min(s + cap, count)) for s in range(0, count, cap)] if self.engine.schedule == "simple" else [range(count)]
-        for wave in waves:
-            barrier = _WaveBarrier(len(wave), self.raise_if_failed) if self.engine.schedule == "simple" else None
-            for index in wave:
-                while not slots.acquire(timeout=_POLL_S):
-                    if self._error is not None:
-                        break
-                if self._error is not None:
-                    break
-                thread = threading.Thread(target=guarded, args=(index, barrier), daemon=True, name=f"smp-mb-{index}")
-                thread.start()
-                threads.append(thread)
+        threads = [threading.Thread(target=worker, daemon=True, name=f"smp-mb-{k}") for k in range(cap)]
+        for thread in threads:
+            thread.start()
         for thread in threads:
             thread.join()
         self.raise_if_failed()
@@ -951,15 +1008,15 @@ class PipelineSession:
                 " computation on another stage), raise the timeout."
             )
 
-    def _receive_loop(self, peer: int) -> None:
-        self._enter_thread()  # copies out of the wire buffer run torch ops here too
+    def _receive_loop(self, peer: int) -> bool:
+        """Receive from ``peer`` until a request came (served here: returns True) or nothing more will (False)."""
         while True:
             _unpacked.refs = refs = []  # references to this stage's outputs met while unpickling
             try:
                 message = self.transport.recv(peer)
             except Exception as err:
                 self.fail(PipelineError(f"Lost contact with {self.engine.describe_stage(peer)}: {err}"))
-                return
+                return False
             envelope: _Envelope = message.obj
             self._last_heard = time.monotonic()
             self.timeline.record("recv", f"from stage {peer}", envelope.microbatch, message.arrived_s)
@@ -972,11 +1029,11 @@ class PipelineSession:
                         " (same number of batches, no rank-dependent skipping)."
                     )
                 )
-                return
+                return False
             for microbatch in envelope.done:
                 self._free(microbatch)
             if envelope.kind == "close":
-                return
+                return False
             if envelope.kind in ("reply", "error"):
                 with self._lock:
                     future = self._futures.pop(envelope.call_id, None)
@@ -987,14 +1044,15 @@ class PipelineSession:
             elif envelope.kind == "end":
                 self._end.set(message)
             else:
-                # Leader/followers: a new thread listens to this peer, and this one, already awake with the
-                # request in hand, serves it (one thread wake-up less on the critical path than handing it over).
+                # [Note: request workers] another worker listens to this peer, and this one, already awake with
+                # the request in hand, serves it (one thread wake-up less on the critical path than handing it over).
+                # Its place in its chain is taken first, before the next request from this peer can arrive.
                 previous, mine = self._enter_chain(peer, envelope) if self.engine.remote_handles else (None, None)
                 with self._lock:
                     self._serving += 1
-                self._listen(peer)
+                self._hand_on_listening(peer)
                 self._serve_request(peer, message, refs, previous, mine)
-                return
+                return True
 
     def _enter_chain(self, peer: int, envelope: _Envelope) -> tuple[_Future | None, _Future]:
         """Receiving thread, in arrival order: the request's place after the previous one of its (caller,
@@ -1038,7 +1096,7 @@ class PipelineSession:
         self, peer: int, message: Message, refs: list | None = None, previous: _Future | None = None,
         mine: _Future | None = None,
     ) -> None:
-        self._enter_thread()
+        # runs on a request worker, which has entered its thread once ([Note: request workers])
         envelope: _Envelope = message.obj
         reply: Any = None
         try:
