@@ -633,7 +633,7 @@ class PipelineSession:
         self._freed: set[int] = set()  # microbatches the driver has finished (their outputs dropped, or about to be)
         # [Note: one microbatch's requests run in arrival order] per (caller stage, microbatch): the future the last
         # request received from there sets when it has finished; per microbatch: requests received, not finished
-        self._chains: dict[tuple[int, int], _Future] = {}
+        self._chains: dict[tuple, _Chain] = {}
         self._unfinished: collections.Counter[int] = collections.Counter()
         self._closed = False
         self._done_unsent: dict[int, list[int]] = {}  # driver: finished microbatches to tell each stage
@@ -1046,17 +1046,26 @@ class PipelineSession:
             else:
                 # [Note: request workers] another worker listens to this peer, and this one, already awake with
                 # the request in hand, serves it (one thread wake-up less on the critical path than handing it over).
-                # Its place in its chain is taken first, before the next request from this peer can arrive.
-                previous, mine = self._enter_chain(peer, envelope) if self.engine.remote_handles else (None, None)
-                with self._lock:
-                    self._serving += 1
+                # With remote handles its place in its chain is taken first, before the next request from this
+                # peer can arrive; one that must wait for an earlier request of its chain is queued, runs on that
+                # one's thread after it, and this worker goes on listening.
+                if not self.engine.remote_handles:
+                    with self._lock:
+                        self._serving += 1
+                    self._hand_on_listening(peer)
+                    self._serve_request(peer, message, refs)
+                    return True
+                chain = self._enter_chain(peer, envelope, message, refs)
+                if chain is None:
+                    continue
                 self._hand_on_listening(peer)
-                self._serve_request(peer, message, refs, previous, mine)
+                self._serve_chain(peer, chain, message, refs)
                 return True
 
-    def _enter_chain(self, peer: int, envelope: _Envelope) -> tuple[_Future | None, _Future]:
-        """Receiving thread, in arrival order: the request's place after the previous one of its (caller,
-        microbatch), and, for a "call", its output's future (so a later reference finds it, or fails at once).
+    def _enter_chain(self, peer: int, envelope: _Envelope, message: Message, refs: list) -> _Chain | None:
+        """Receiving thread, in arrival order: the request's place in its chain (``None``: queued behind an earlier
+        request of it, which is being served), and, for a "call", its output's future (so a later reference finds
+        it, or fails at once).
 
         [Note: one microbatch's requests run in arrival order] A caller sends the requests of one microbatch in its
         program order, and with remote handles it does not wait for one before sending the next. The owner runs
@@ -1070,20 +1079,36 @@ class PipelineSession:
         earlier call's in-place change of the fetched value. Different microbatches stay unordered: the
         pipeline's overlap is between microbatches. The chain also keeps a microbatch's outputs until its last
         request has run (``_free``), so a call the driver never waited for still finds what it references.
+        A request received while an earlier one of its chain is served waits in the chain's queue, and the thread
+        serving that one runs it next (a loop over remote blocks then runs on one thread: no hand-off per call).
         """
         key = (peer, envelope.microbatch, envelope.origin)
-        mine = _Future()
         with self._lock:
-            previous = self._chains.get(key)
-            self._chains[key] = mine
+            self._serving += 1
             self._unfinished[envelope.microbatch] += 1
             if envelope.kind == "call" and not self._closed:
                 self._outputs[envelope.call_id] = _Future()
                 self._of_microbatch.setdefault(envelope.microbatch, []).append(envelope.call_id)
-        return previous, mine
+            chain = self._chains.get(key)
+            if chain is None:
+                chain = self._chains[key] = _Chain()
+            if chain.busy:
+                chain.queue.append((message, refs))
+                return None
+            chain.busy = True
+        return chain
 
-    def _leave_chain(self, microbatch: int, mine: _Future) -> None:
-        mine.set(None)
+    def _serve_chain(self, peer: int, chain: _Chain, message: Message, refs: list) -> None:
+        """Serve a request, then the requests of its chain that arrived meanwhile, in order."""
+        while True:
+            self._serve_request(peer, message, refs, chained=True)
+            with self._lock:
+                if not chain.queue:
+                    chain.busy = False
+                    return
+                message, refs = chain.queue.popleft()
+
+    def _leave_chain(self, microbatch: int) -> None:
         with self._lock:
             self._unfinished[microbatch] -= 1
             idle = self._unfinished[microbatch] == 0
@@ -1092,26 +1117,20 @@ class PipelineSession:
         if idle and microbatch in self._freed:  # the driver finished it while this request ran
             self._drop(microbatch)
 
-    def _serve_request(
-        self, peer: int, message: Message, refs: list | None = None, previous: _Future | None = None,
-        mine: _Future | None = None,
-    ) -> None:
+    def _serve_request(self, peer: int, message: Message, refs: list | None = None, chained: bool = False) -> None:
         # runs on a request worker, which has entered its thread once ([Note: request workers])
         envelope: _Envelope = message.obj
         reply: Any = None
         try:
-            if previous is not None:  # see [Note: one microbatch's requests run in arrival order]
-                previous.wait(self.engine.timeout_s, self.raise_if_failed,
-                              f"the previous request of microbatch {envelope.microbatch} from stage {peer}")
             reply = self._serve(message, refs)
-        except BaseException as err:  # the session failed (or timed out) while this request waited for its turn
+        except BaseException as err:  # not a failure of the module (``_serve`` replies those): of the session
             self.fail(err)
             if envelope.kind == "call":
                 self._record_output(envelope.call_id, envelope.microbatch, ("error", str(err)))
             reply = self.envelope("error", envelope.call_id, str(err), envelope.microbatch)
         try:
-            if mine is not None:  # before the reply: the caller's next request may arrive with it
-                self._leave_chain(envelope.microbatch, mine)
+            if chained:
+                self._leave_chain(envelope.microbatch)
             if reply is not None:
                 self._send_quietly(reply, peer, envelope.microbatch)
         finally:
@@ -1414,6 +1433,15 @@ class PipelineSession:
         if message.obj.kind == "error":
             raise PipelineError(message.obj.body)
         return message
+
+
+@dataclass
+class _Chain:
+    """The requests of one (caller stage, microbatch, origin) on their owner ([Note: one microbatch's requests run
+    in arrival order]): whether one is being served, and those received meanwhile, to run after it on its thread."""
+
+    busy: bool = False
+    queue: collections.deque = dataclasses.field(default_factory=collections.deque)
 
 
 class _WaveBarrier:
