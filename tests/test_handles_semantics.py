@@ -31,9 +31,10 @@ class Slow(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(DIM, DIM)
+        self.seconds = SLOW_S
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(SLOW_S)
+        time.sleep(self.seconds)
         return self.fc(x)
 
 
@@ -448,3 +449,55 @@ def _set_attribute(rank: int, world: int) -> list:
 def test_setting_an_attribute_on_a_handle_sets_it_on_the_value():
     driver, _ = run_distributed(_set_attribute, 2)
     assert driver == [("Tensor", "mine")]
+
+
+def _after_a_failed_step(rank: int, world: int) -> dict:
+    """Step 0 fails on the driver while stage 1 still runs a slow call with others of its chain queued behind it;
+    steps 1 and 2 must then run normally (nothing of step 0 may leak into them, nothing may hang)."""
+    torch.manual_seed(0)
+    model = Model()
+    engine = PipelineEngine(make_transport(list(range(world))), world, timeout_s=30, remote_handles=True)
+    engine.install(model, expand_placement(model, PLACEMENT if world > 1 else {}))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    outcome, losses = [], []
+    for index in range(3):
+        model.slow.seconds = 2.0 if index == 0 else 0.0  # outlasts the failed step's close (0.5 s)
+
+        def step(mb: torch.Tensor, i: int) -> torch.Tensor:
+            h = model.inp(mb)
+            if index == 0:
+                model.slow(h)  # one-way; the calls below queue behind it on stage 1
+                model.drop(model.pair(h)[0])
+                model.two(h, h)
+                raise ValueError("the step fails here")
+            if index == 1 and i == 0:
+                time.sleep(2.5)  # step 1 is still running when step 0's queued calls are answered
+            return model.out(model.two(model.pair(h)[0], h)).mean()
+
+        optimizer.zero_grad()
+        try:
+            with engine.session() as session:
+                if engine.is_driver:
+                    outputs = session.drive(step, split_microbatches(_batch(index), 2), loss_fn=lambda l: l / 2,
+                                            backward=True)
+                    session.finish(None)
+                    losses.append([float(o) for o in outputs])
+                else:
+                    session.serve()
+            outcome.append("ok")
+            optimizer.step()
+        except Exception as err:  # noqa: BLE001 (the outcome is the result)
+            outcome.append(type(err).__name__)
+    return {"outcome": outcome, "losses": losses,
+            "state": {k: v.clone() for k, v in model.state_dict().items() if v is not None}}
+
+
+def test_the_step_after_a_failed_one_runs_normally():
+    reference = run_distributed(_after_a_failed_step, 1)[0]
+    results = run_distributed(_after_a_failed_step, 2)
+    assert reference["outcome"] == ["ValueError", "ok", "ok"]
+    assert [r["outcome"] for r in results] == [["PipelineError", "ok", "ok"]] * 2
+    torch.testing.assert_close(results[0]["losses"], reference["losses"], rtol=1e-6, atol=1e-7)
+    for name, value in reference["state"].items():
+        owner = results[1] if name.split(".")[0] in PLACEMENT else results[0]
+        torch.testing.assert_close(owner["state"][name], value, rtol=1e-6, atol=1e-7, msg=name)

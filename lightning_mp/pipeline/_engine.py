@@ -468,6 +468,14 @@ class PipelineEngine:
         return reply.obj.body
 
 
+def _earlier(step: str, than: str) -> bool:
+    """Was session ``step`` (``"name#n"``, numbered per engine) started before ``than`` on the same engine?"""
+    try:
+        return int(step.rsplit("#", 1)[1]) < int(than.rsplit("#", 1)[1])
+    except (IndexError, ValueError):
+        return False
+
+
 def _label(fqn: str, span: tuple[int, int] | None) -> str:
     return fqn if span is None else f"{fqn}[{span[0]}:{span[1]}]"
 
@@ -631,8 +639,8 @@ class PipelineSession:
         self._of_microbatch: dict[int, list[tuple[int, int]]] = {}
         self._fetch_counts: dict[int, _FetchCount] = {}
         self._freed: set[int] = set()  # microbatches the driver has finished (their outputs dropped, or about to be)
-        # [Note: one microbatch's requests run in arrival order] per (caller stage, microbatch): the future the last
-        # request received from there sets when it has finished; per microbatch: requests received, not finished
+        # [Note: one microbatch's requests run in arrival order] per (caller stage, microbatch, origin): whether a
+        # request of it is being served, and those queued behind it; per microbatch: requests received, not finished
         self._chains: dict[tuple, _Chain] = {}
         self._unfinished: collections.Counter[int] = collections.Counter()
         self._closed = False
@@ -836,9 +844,12 @@ class PipelineSession:
         """Finish the step: wait for the requests this rank serves to reply, exchange "close" with every peer,
         then join this step's threads (listeners, which serve the requests they receive, and the order thread).
 
-        After a failure the waits are short (``_POLL_S``): a request still running then replies after "close",
-        and a next step on that peer fails on the stale reply as out of step.
+        After a failure the waits are short (``_POLL_S``): requests queued in a chain are answered with the error
+        at once, a request still running replies after "close", and the next step's listener drops such late
+        replies (and a late "close") of an earlier step instead of failing as out of step.
         """
+        if self._error is not None:
+            self._refuse_queued()
         with self._idle:
             self._idle.wait_for(lambda: self._serving == 0, self.engine.timeout_s if self._error is None else _POLL_S)
         for peer in self.peers:
@@ -1020,6 +1031,8 @@ class PipelineSession:
             envelope: _Envelope = message.obj
             self._last_heard = time.monotonic()
             self.timeline.record("recv", f"from stage {peer}", envelope.microbatch, message.arrived_s)
+            if envelope.step != self.step and envelope.kind in ("reply", "error", "close") and _earlier(envelope.step, self.step):
+                continue  # a late answer of a step that failed here (it closed without waiting): not for this step
             if envelope.step != self.step:
                 self.fail(
                     PipelineError(
@@ -1107,6 +1120,21 @@ class PipelineSession:
                     chain.busy = False
                     return
                 message, refs = chain.queue.popleft()
+
+    def _refuse_queued(self) -> None:
+        """The step failed: answer every request still queued in a chain with the error now, before "close" (it
+        would otherwise run, fail and reply only once the request ahead of it ends, into the next step)."""
+        with self._lock:
+            queued = [(key[0], message) for key, chain in self._chains.items() for message, _ in chain.queue]
+            for chain in self._chains.values():
+                chain.queue.clear()
+        for peer, message in queued:
+            envelope: _Envelope = message.obj
+            self._send_quietly(self.envelope("error", envelope.call_id, str(self._error), envelope.microbatch), peer)
+            self._leave_chain(envelope.microbatch)
+            with self._lock:
+                self._serving -= 1
+                self._idle.notify_all()
 
     def _leave_chain(self, microbatch: int) -> None:
         with self._lock:
