@@ -206,19 +206,22 @@ def _batch(step: int) -> torch.Tensor:
     return torch.randn(8, DIM, generator=torch.Generator().manual_seed(step))
 
 
-def _run(rank: int, world: int, schedule: str) -> dict:
+def _run(rank: int, world: int, schedule: str, nested: bool = False, remote_handles: bool = True) -> dict:
+    """Every scenario of ``SCENARIOS`` (``Model`` over 2 stages) or ``NESTED_SCENARIOS`` (``Nested`` over 3), each
+    on a fresh model and engine; ``world == 1``: everything on one process, the reference."""
     from lightning_mp import set_activation_checkpointing
 
+    scenarios, make_model, placement = (NESTED_SCENARIOS, Nested, NESTED_PLACEMENT) if nested else (SCENARIOS, Model, PLACEMENT)
     transport = make_transport(list(range(world)))
     results = {}
-    for name, step_fn in SCENARIOS.items():
+    for name, step_fn in scenarios.items():
         torch.manual_seed(0)
-        model = Model()
+        model = make_model()
         if name == "handle_to_checkpointed_local_module":
             set_activation_checkpointing(model.local)
         engine = PipelineEngine(transport, world, schedule=schedule, active_microbatches=2, timeout_s=60,
-                                seed=SEED, remote_handles=True)
-        engine.install(model, expand_placement(model, PLACEMENT if world > 1 else {}))
+                                seed=SEED, remote_handles=remote_handles)
+        engine.install(model, expand_placement(model, placement if world > 1 else {}))
         results[name] = _train(engine, model, step_fn)
     return results
 
@@ -355,23 +358,10 @@ def one_module_from_two_callers(m: Nested, x: torch.Tensor) -> torch.Tensor:
 NESTED_SCENARIOS = {f.__name__: f for f in (call_cycle, one_module_from_two_callers)}
 
 
-def _run_nested(rank: int, world: int, remote_handles: bool) -> dict:
-    transport = make_transport(list(range(world)))
-    results = {}
-    for name, step_fn in NESTED_SCENARIOS.items():
-        torch.manual_seed(0)
-        model = Nested()
-        engine = PipelineEngine(transport, world, active_microbatches=2, timeout_s=60, seed=SEED,
-                                remote_handles=remote_handles)
-        engine.install(model, expand_placement(model, NESTED_PLACEMENT if world > 1 else {}))
-        results[name] = _train(engine, model, step_fn)
-    return results
-
-
 @pytest.mark.parametrize("remote_handles", [True, False])
 def test_nested_calls_match_one_process(remote_handles):
-    reference = run_distributed(_run_nested, 1, True)[0]
-    results = run_distributed(_run_nested, 3, remote_handles)
+    reference = run_distributed(_run, 1, "interleaved", True)[0]
+    results = run_distributed(_run, 3, "interleaved", True, remote_handles)
     for scenario in NESTED_SCENARIOS:
         _assert_equal(reference[scenario], [r[scenario] for r in results], NESTED_PLACEMENT)
 

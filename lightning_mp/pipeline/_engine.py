@@ -328,7 +328,7 @@ class PipelineEngine:
                 )
             self._modules[fqn] = module
             self._stage_of[fqn] = stage if id(module) in stateful else self.stage
-            if id(module) in stateful and next(module.parameters(recurse=False), None) is not None:
+            if next(module.parameters(recurse=False), None) is not None:
                 parts = fqn.split(".") if fqn else []
                 for depth in range(len(parts) + 1):
                     self._subtree_stages.setdefault(".".join(parts[:depth]), set()).add(stage)
@@ -1275,7 +1275,7 @@ class PipelineSession:
                 self.engine.timeout_s, self.raise_if_failed, f"the output of an earlier call, for {what!r}"
             )
 
-    def _resolve(self, call_id: tuple[int, int], path: tuple, microbatch: int = -1) -> Any:
+    def _resolve(self, call_id: tuple[int, int], path: tuple, microbatch: int) -> Any:
         """This stage's output of ``call_id``, then ``value[key]`` for each key of ``path``."""
         status, value = self._output_future(call_id, microbatch).wait(
             self.engine.timeout_s, self.raise_if_failed, "the output of an earlier call"
