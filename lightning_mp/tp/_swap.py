@@ -11,6 +11,8 @@ Recipe (:func:`swap_modules`):
    if every module that holds it is swapped and their new parameters have the same shard layout, they are
    tied again; otherwise the swaps that would break the tie are dropped, with the reason.
 3. **Install** the built modules in their parents and report what was swapped and what was not (and why).
+4. **Random ops** on the activations that the swap shards draw one process's numbers (see
+   [Note: random numbers under tensor parallelism] in ``tp/_random.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 from lightning_mp.init import defer_load, find_record
+from lightning_mp.tp._random import install_sharded_random
 from lightning_mp.tp._registry import Registration, TPMark, registration_for, tp_mark
 from lightning_mp.tp._sharding import TPGroup, shard_spec
 
@@ -141,6 +144,7 @@ def swap_modules(
         _install(root, fqn, module)
         walk.report.swapped[fqn] = type(module).__name__
     _report_marked_without_swap(root, walk.report)
+    install_sharded_random(root, tp)
     return walk.report
 
 

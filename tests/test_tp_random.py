@@ -1,0 +1,100 @@
+"""Dropout under tensor parallelism draws one process's masks (see [Note: random numbers under tensor parallelism]).
+
+Tier 2 on 2 gloo ranks, unmodified Hugging Face models with dropout on: GPT-2 (attention, residual, MLP and
+embedding dropout 0.2, eager and SDPA attention) and Llama (attention dropout 0.2), swapped at tp=2, against the
+same model on one process with the same seed: loss, logits and every gradient. Tier 1: the region layout rules.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+
+transformers = pytest.importorskip("transformers")
+
+import lightning_mp  # noqa: E402
+from lightning_mp.tp import TPGroup  # noqa: E402
+from lightning_mp.tp._hf import translate_hf  # noqa: E402
+from lightning_mp.tp._random import ShardedRandomRegion  # noqa: E402
+from lightning_mp.tp._swap import swap_modules  # noqa: E402
+from tests._dist import run_distributed  # noqa: E402
+from tests._tp_helpers import grad_pairs  # noqa: E402
+
+VOCAB = 32
+P = 0.2
+
+
+def dropout_gpt2(attn: str):
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=4, n_positions=16, resid_pdrop=P, embd_pdrop=P, attn_pdrop=P,
+    )
+    config._attn_implementation = attn
+    return transformers.GPT2LMHeadModel(config)
+
+
+def dropout_llama(attn: str):
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, attention_dropout=P,
+    )
+    config._attn_implementation = attn
+    return transformers.LlamaForCausalLM(config)
+
+
+BUILDERS = {"gpt2": dropout_gpt2, "llama": dropout_llama}
+
+
+def _worker(rank: int, world: int, name: str, attn: str) -> dict:
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    tp = TPGroup.of(dist.group.WORLD)
+    torch.manual_seed(0)
+    model = BUILDERS[name](attn).train()
+    ref = copy.deepcopy(model)
+    lightning_mp.set_tensor_parallelism(model)
+    swap_modules(model, tp, translations=[translate_hf])
+    ids = torch.randint(0, VOCAB, (2, 8))
+    outputs = []
+    for net in (ref, model):
+        torch.manual_seed(1)  # the same stream on every rank and in the reference
+        out = net(input_ids=ids, labels=ids)
+        out.loss.backward()
+        outputs.append(out)
+    no_dropout = ref.eval()(input_ids=ids, labels=ids).loss.detach()
+    return {
+        "loss": (outputs[1].loss.detach(), outputs[0].loss.detach()),
+        "logits": (outputs[1].logits.detach(), outputs[0].logits.detach()),
+        "grads": grad_pairs(model, ref, tp),
+        "no_dropout": no_dropout,
+    }
+
+
+@pytest.mark.parametrize(("name", "attn"), [("gpt2", "eager"), ("gpt2", "sdpa"), ("llama", "eager"), ("llama", "sdpa")])
+def test_dropout_at_tp2_draws_one_process_masks(name, attn):
+    for result in run_distributed(_worker, 2, name, attn, start_method="fork"):
+        loss, ref_loss = result["loss"]
+        assert abs(ref_loss - result["no_dropout"]) > 1e-3, "dropout is on and changes the loss"
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(*result["logits"], rtol=1e-5, atol=1e-5)
+        for n, (actual, expected) in result["grads"].items():
+            torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"grad {n}: {m}")
+
+
+def _region(local: int, replicated: int, fused: int = 0) -> ShardedRandomRegion:
+    return ShardedRandomRegion(
+        "h.0.mlp", TPGroup(None, 1, 2), frozenset({local}), frozenset({replicated}), frozenset({fused} - {0})
+    )
+
+
+def test_region_layout_rules():
+    region = _region(local=32, replicated=16, fused=24)
+    assert region.sharded_dim(torch.Size([2, 2, 8, 8]), "op") == 1  # attention weights: heads
+    assert region.sharded_dim(torch.Size([2, 8, 32]), "op") == 2  # a column-parallel output
+    assert region.sharded_dim(torch.Size([2, 8, 16]), "op") is None  # replicated
+    with pytest.raises(ValueError, match="fused column-parallel output"):
+        region.sharded_dim(torch.Size([2, 8, 24]), "op")
+    with pytest.raises(ValueError, match="last dim 16 is both a sharded width"):
+        _region(local=16, replicated=16).sharded_dim(torch.Size([2, 8, 16]), "aten.bernoulli_.float")
