@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 import lightning_mp  # noqa: E402
 from lightning_mp.tp import TPGroup  # noqa: E402
 from lightning_mp.tp._hf import translate_hf  # noqa: E402
-from lightning_mp.tp._random import ShardedRandomRegion  # noqa: E402
+from lightning_mp.tp._random import ShardedRandomRegion, _enter, _exit  # noqa: E402
 from lightning_mp.tp._swap import swap_modules  # noqa: E402
 from tests._dist import run_distributed  # noqa: E402
 from tests._tp_helpers import grad_pairs  # noqa: E402
@@ -83,10 +83,48 @@ def test_dropout_at_tp2_draws_one_process_masks(name, attn):
             torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"grad {n}: {m}")
 
 
-def _region(local: int, replicated: int, fused: int = 0) -> ShardedRandomRegion:
+def _region(local: int, replicated: int, fused: int = 0, rank: int = 1) -> ShardedRandomRegion:
     return ShardedRandomRegion(
-        "h.0.mlp", TPGroup(None, 1, 2), frozenset({local}), frozenset({replicated}), frozenset({fused} - {0})
+        "h.0.mlp", TPGroup(None, rank, 2), frozenset({local}), frozenset({replicated}), frozenset({fused} - {0})
     )
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("attn", ["dropout", "sdpa"])
+def test_masks_are_bitwise_the_slice_of_one_process_masks(rank, attn):
+    """Tier 1 (a fake tp rank, no group): dropout on ``(B, nh / tp, T, T)`` attention weights inside a region is
+    bitwise rank ``r``'s heads of one process's dropout on ``(B, nh, T, T)``, and the stream continues as its does."""
+
+    def draw(x: torch.Tensor) -> torch.Tensor:
+        if attn == "dropout":
+            return torch.nn.functional.dropout(x, P, training=True)
+        return torch.nn.functional.scaled_dot_product_attention(x, x, x, dropout_p=P)  # math path with dropout
+
+    full = torch.randn(2, 4, 8, 8)
+    torch.manual_seed(5)
+    expected, expected_next = draw(full), torch.rand(3)
+    hook = _enter(_region(local=32, replicated=16, rank=rank))
+    local = full[:, 2 * rank : 2 * rank + 2].clone()
+    torch.manual_seed(5)
+    hook(None, ())
+    try:
+        got = draw(local)
+    finally:
+        _exit(None, (), None)
+    regional = expected[:, 2 * rank : 2 * rank + 2]
+    assert torch.equal(got, regional)
+    assert torch.equal(torch.rand(3), expected_next)
+
+
+def test_a_draw_that_depends_on_sharded_values_raises():
+    hook = _enter(_region(local=32, replicated=16))
+    hook(None, ())
+    try:
+        with pytest.raises(ValueError, match=r"aten.bernoulli.default in tensor-parallel region 'h.0.mlp' drew"):
+            torch.bernoulli(torch.full((2, 2, 4, 4), 0.5))
+        assert torch.equal(torch.bernoulli(torch.full((2, 8, 16), 0.0)), torch.zeros(2, 8, 16))  # replicated
+    finally:
+        _exit(None, (), None)
 
 
 def test_region_layout_rules():

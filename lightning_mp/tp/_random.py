@@ -25,7 +25,9 @@ Which tensors are sharded is decided from the layout the region's children give 
 
 Random ops whose result depends only on the tensor's shape (``bernoulli_`` with a float ``p``, ``uniform_``,
 ``normal_``, ``rand_like``, ``native_dropout``, ...) are drawn in full. One that depends on the values of a
-sharded tensor (``bernoulli`` of a probability tensor, ``multinomial``) raises, naming the op and the module.
+sharded tensor (``bernoulli`` of a probability tensor, ``multinomial``), or draws inside a fused kernel (CUDA's
+flash attention with dropout; CPU's fused kernels take no dropout), raises, naming the op and the module (a seeded
+op that drew nothing, such as a fused attention without dropout, is left alone).
 Not covered: sequence-parallel activations (``optimize="memory"``) outside the attention weights, and random
 ops outside regions on sharded tensors (a column-parallel layer called from a module of its own).
 """
@@ -40,6 +42,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_mp.pipeline._rng import _get_states, _same_states
 from lightning_mp.tp._sharding import TPGroup, shard_spec
 
 __all__ = ["ShardedRandomRegion", "install_sharded_random"]
@@ -143,10 +146,15 @@ def _draw_full(func, args: tuple, kwargs: dict, dim: int, region: ShardedRandomR
         if func._schema.name.endswith("_"):  # in place: fill the local tensor
             return local.copy_(keep(full))
         return keep(out).contiguous()
+    before = _get_states()  # e.g. a fused attention kernel: seeded, but draws only with dropout_p > 0
+    out = func(*args, **kwargs)
+    if _same_states(before, _get_states()):
+        return out
     raise ValueError(
-        f"{func} in tensor-parallel region {region.name!r} draws numbers that depend on the values of a sharded"
-        f" tensor of shape {tuple(local.shape)}, so this rank cannot draw its slice of one process's draw. Move the"
-        " op outside the region (onto replicated activations) or leave the module unswapped."
+        f"{func} in tensor-parallel region {region.name!r} drew random numbers inside a kernel or from the values of"
+        f" a sharded tensor of shape {tuple(local.shape)}, so this rank cannot draw its slice of one process's draw."
+        " Use an attention implementation that draws its dropout with a separate op (transformers'"
+        " attn_implementation='eager', or SDPA's math backend), or move the op onto replicated activations."
     )
 
 
