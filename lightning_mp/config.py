@@ -111,6 +111,13 @@ class SMPConfig:
     round trip per block. ``False``: every remote call waits for its outputs (one round trip per call; the engine
     before handles). The results are the same either way (README, "Known limits", for what a handle is not)."""
 
+    tp_random_streams: Literal["one_process", "per_rank"] = "one_process"
+    """How random ops (dropout) on tensor-parallel sharded activations draw (see [Note: random numbers under tensor
+    parallelism] in ``tp/_random.py``). ``"one_process"``: each tp rank draws the full tensor from the call's stream
+    and keeps its slice, so tp=2 trains as tp=1. ``"per_rank"``: each tp rank draws only its shard, from a stream of
+    its own (Megatron's ``CudaRNGStatesTracker``): fewer numbers drawn, masks independent across ranks but not one
+    process's."""
+
     delayed_parameter_initialization: bool = False
     """Build the model in ``configure_model`` without allocating parameters (SMP's
     ``delayed_parameter_initialization``): the trace runs on meta and each rank allocates and initialises only
@@ -167,6 +174,10 @@ class SMPConfig:
         for name in ("delayed_parameter_initialization", "shard_optimizer_state", "release_host_memory", "remote_handles"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
+        if self.tp_random_streams not in ("one_process", "per_rank"):
+            raise ValueError(
+                f"`tp_random_streams` must be 'one_process' or 'per_rank', got {self.tp_random_streams!r}."
+            )
         if self.data_plane not in ("auto", "gloo", "nccl"):
             raise ValueError(f"`data_plane` must be 'auto', 'gloo' or 'nccl', got {self.data_plane!r}.")
         order = {"cluster": "DPT", "spread": "TPD"}.get(self.placement_strategy, self.placement_strategy)

@@ -8,6 +8,7 @@ same model on one process with the same seed: loss, logits and every gradient. T
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 
 import pytest
@@ -19,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 import lightning_mp  # noqa: E402
 from lightning_mp.tp import TPGroup  # noqa: E402
 from lightning_mp.tp._hf import translate_hf  # noqa: E402
-from lightning_mp.tp._random import ShardedRandomRegion, _enter, _exit  # noqa: E402
+from lightning_mp.tp._random import ShardedRandomRegion, _pop, _push  # noqa: E402
 from lightning_mp.tp._swap import swap_modules  # noqa: E402
 from tests._dist import run_distributed  # noqa: E402
 from tests._tp_helpers import grad_pairs  # noqa: E402
@@ -103,28 +104,43 @@ def test_masks_are_bitwise_the_slice_of_one_process_masks(rank, attn):
     full = torch.randn(2, 4, 8, 8)
     torch.manual_seed(5)
     expected, expected_next = draw(full), torch.rand(3)
-    hook = _enter(_region(local=32, replicated=16, rank=rank))
     local = full[:, 2 * rank : 2 * rank + 2].clone()
     torch.manual_seed(5)
-    hook(None, ())
+    _push(_region(local=32, replicated=16, rank=rank))
     try:
         got = draw(local)
     finally:
-        _exit(None, (), None)
+        _pop()
     regional = expected[:, 2 * rank : 2 * rank + 2]
     assert torch.equal(got, regional)
     assert torch.equal(torch.rand(3), expected_next)
 
 
+def test_per_rank_streams_differ_between_ranks_and_leave_the_shared_stream_alike():
+    """``streams="per_rank"`` (Megatron's tracker behaviour): each rank's mask comes from its own stream, drawn
+    for the local shard only; after the draw, the shared stream is in the same place on every rank."""
+    masks, after = [], []
+    for rank in (0, 1):
+        region = dataclasses.replace(_region(local=32, replicated=16, rank=rank), per_rank=True)
+        torch.manual_seed(5)
+        _push(region)
+        try:
+            masks.append(torch.nn.functional.dropout(torch.ones(2, 2, 8, 8), 0.5, training=True))
+        finally:
+            _pop()
+        after.append(torch.rand(3))
+    assert not torch.equal(masks[0], masks[1])
+    assert torch.equal(after[0], after[1])
+
+
 def test_a_draw_that_depends_on_sharded_values_raises():
-    hook = _enter(_region(local=32, replicated=16))
-    hook(None, ())
+    _push(_region(local=32, replicated=16))
     try:
         with pytest.raises(ValueError, match=r"aten.bernoulli.default in tensor-parallel region 'h.0.mlp' drew"):
             torch.bernoulli(torch.full((2, 2, 4, 4), 0.5))
         assert torch.equal(torch.bernoulli(torch.full((2, 8, 16), 0.0)), torch.zeros(2, 8, 16))  # replicated
     finally:
-        _exit(None, (), None)
+        _pop()
 
 
 def test_region_layout_rules():
@@ -167,3 +183,13 @@ def test_fit_with_dropout_at_tp2_equals_tp1(tmp_path, monkeypatch, name):
     for result in two:
         torch.testing.assert_close(result["losses"], one["losses"], rtol=1e-6, atol=1e-7)
         assert_state_equal(result["state"], one["state"], rtol=1e-6, atol=1e-7)
+    if name == "gpt2":  # the option: each tp rank's own stream draws other attention masks than one process
+        per_rank = smp(1, 2, tensor_parallel_degree=2, tp_random_streams="per_rank")
+        other = fit(str(tmp_path / "per_rank"), "tp", per_rank, devices=2, seed=3)
+        assert other[0]["losses"] == other[1]["losses"], "replicated activations stay equal over the tp group"
+        assert abs(other[0]["losses"][0] - one["losses"][0]) > 1e-4
+
+
+def test_tp_random_streams_is_checked():
+    with pytest.raises(ValueError, match="`tp_random_streams` must be 'one_process' or 'per_rank', got 'megatron'"):
+        lightning_mp.SMPStrategy(tensor_parallel_degree=2, tp_random_streams="megatron")

@@ -136,6 +136,9 @@ class SMPStrategy(ParallelStrategy):
             until local code touches it; a later call on that stage takes it by reference, so a loop over remote
             blocks costs one-way messages (:attr:`lightning_mp.SMPConfig.remote_handles`). ``False``: every remote
             call waits for its outputs (one round trip per call).
+        tp_random_streams: ``"one_process"`` (random ops on sharded activations draw the full tensor and keep the
+            slice: tp=2 trains as tp=1) or ``"per_rank"`` (each tp rank draws its shard from its own stream,
+            Megatron's tracker); see [Note: random numbers under tensor parallelism] in ``tp/_random.py``.
         delayed_parameter_initialization: build the model of ``configure_model`` on meta; each rank allocates and
             initialises only its own stage, bitwise as an eager build (models built under
             ``lightning_mp.delay_param_initialization()`` or ``trainer.init_module(empty_init=True)`` are delayed
@@ -183,6 +186,7 @@ class SMPStrategy(ParallelStrategy):
         save_distributed_checkpoint: bool = True,
         load_weights: str | Path | None = None,
         replan_on_resume: bool = False,
+        tp_random_streams: Literal["one_process", "per_rank"] = "one_process",
         delayed_parameter_initialization: bool = False,
         shard_optimizer_state: bool = False,
         release_host_memory: bool = False,
@@ -220,6 +224,7 @@ class SMPStrategy(ParallelStrategy):
             timeout=timeout,
             deterministic_order=deterministic_order,
             remote_handles=remote_handles,
+            tp_random_streams=tp_random_streams,
             delayed_parameter_initialization=delayed_parameter_initialization,
             shard_optimizer_state=shard_optimizer_state,
             release_host_memory=release_host_memory,
@@ -533,7 +538,8 @@ class SMPStrategy(ParallelStrategy):
         stage_of = self._plan.stage_of
         if self.config.tensor_parallel_degree > 1:
             stage_of, _ = _tp.apply_tensor_parallelism(
-                module, self.groups, stage_of, self.pp_rank, self.global_rank, optimize=self.config.optimize
+                module, self.groups, stage_of, self.pp_rank, self.global_rank, optimize=self.config.optimize,
+                random_streams=self.config.tp_random_streams,
             )
         self._engine.install(module, stage_of, self._plan.ordered_state)
         if is_delayed(module):  # only this stage's tensors (under tp, shards) are left: allocate and initialise them

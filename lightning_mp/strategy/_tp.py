@@ -24,6 +24,7 @@ from torch import nn
 
 from lightning_mp.tp import ParallelGroups, TPGroup, reduce_replicated_grads, shard_spec
 from lightning_mp.tp._hf import translate_hf
+from lightning_mp.tp._random import RandomStreams, install_sharded_random
 from lightning_mp.tp._swap import SwapReport, swap_modules
 from lightning_mp.topology import MeshAxis, Topology
 
@@ -66,11 +67,14 @@ def apply_tensor_parallelism(
     own_stage: int,
     global_rank: int,
     optimize: str = "speed",
+    random_streams: RandomStreams = "one_process",
 ) -> tuple[dict[str, int], SwapReport]:
     """Swap this stage's marked modules; return the stage map of the new module tree and the report.
 
     Modules inside a swapped one take its stage; ``optimize`` goes to the distributed classes that take it
-    (``"memory"``: sequence parallelism). Warns once on global rank 0 naming unswapped marked modules.
+    (``"memory"``: sequence parallelism); ``random_streams`` says how random ops on sharded activations draw
+    (:func:`~lightning_mp.tp._random.install_sharded_random`). Warns once on global rank 0 naming unswapped
+    marked modules.
     """
     tp = TPGroup.of(groups.tp)
     report = swap_modules(
@@ -95,6 +99,8 @@ def apply_tensor_parallelism(
                 f"tensor_parallel_degree={tp.size} but no module was swapped on global rank 0's stage: mark modules"
                 " with `lightning_mp.set_tensor_parallelism(module)` or `with lightning_mp.tensor_parallelism():`."
             )
+    if random_streams != "one_process":  # the swap installed "one_process"
+        install_sharded_random(model, tp, random_streams)
     sync_rng_over_tp(groups)
     new_stage_of: dict[str, int] = {}
     for fqn, _ in model.named_modules(remove_duplicate=False):

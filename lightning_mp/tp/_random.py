@@ -35,25 +35,28 @@ ops outside regions on sharded tensors (a column-parallel layer called from a mo
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.hooks import RemovableHandle
 
-from lightning_mp.pipeline._rng import _get_states, _same_states
+from lightning_mp.pipeline._rng import _generators, _get_states, _same_states, _set_states
 from lightning_mp.tp._sharding import TPGroup, shard_spec
 
-__all__ = ["ShardedRandomRegion", "install_sharded_random"]
+__all__ = ["RandomStreams", "ShardedRandomRegion", "install_sharded_random", "remove_sharded_random"]
+
+RandomStreams = Literal["one_process", "per_rank"]
 
 _aten = torch.ops.aten
 # Random ops whose numbers depend only on the shape (and dtype) of their first argument.
 _SHAPE_ONLY = {
     _aten.bernoulli_.float, _aten.uniform_.default, _aten.normal_.default, _aten.exponential_.default,
     _aten.geometric_.default, _aten.cauchy_.default, _aten.log_normal_.default, _aten.random_.default,
-    _aten.random_.to, getattr(_aten.random_, "from"), _aten.bernoulli.p, _aten.rand_like.default, _aten.randn_like.default,
-    _aten.randint_like.default, _aten.randint_like.low_dtype,
+    _aten.random_.to, getattr(_aten.random_, "from"), _aten.bernoulli.p, _aten.rand_like.default,
+    _aten.randn_like.default, _aten.randint_like.default, _aten.randint_like.low_dtype,
 }
 
 
@@ -68,6 +71,7 @@ class ShardedRandomRegion:
         replicated_widths: input widths of those children (the region's replicated activations).
         fused_widths: local output widths of fused children (``parts > 1``, e.g. q/k/v: ``[q_r, k_r, v_r]`` is no
             slice of one tensor, so a random op on it raises).
+        per_rank: draw sharded tensors from a stream of this tp rank's own (``streams="per_rank"``).
     """
 
     name: str
@@ -75,6 +79,7 @@ class ShardedRandomRegion:
     local_widths: frozenset[int]
     replicated_widths: frozenset[int]
     fused_widths: frozenset[int] = frozenset()
+    per_rank: bool = False
 
     def sharded_dim(self, shape: torch.Size, op: str) -> int | None:
         """The dim along which a tensor of local ``shape`` is split over the tp group, or ``None`` (replicated).
@@ -112,8 +117,8 @@ def _regions() -> list[ShardedRandomRegion]:
     return stack
 
 
-class _FullDrawMode(TorchDispatchMode):
-    """Draws random ops on sharded tensors in full and keeps this rank's slice (innermost region's layout)."""
+class _ShardedDrawMode(TorchDispatchMode):
+    """Random ops on sharded tensors (the innermost region's layout) drawn in full and sliced, or per rank."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -123,6 +128,8 @@ class _FullDrawMode(TorchDispatchMode):
         dim = region.sharded_dim(args[0].shape, str(func))
         if dim is None:
             return func(*args, **kwargs)
+        if region.per_rank:
+            return _draw_per_rank(func, args, kwargs, region)
         return _draw_full(func, args, kwargs, dim, region)
 
 
@@ -158,18 +165,33 @@ def _draw_full(func, args: tuple, kwargs: dict, dim: int, region: ShardedRandomR
     )
 
 
-def _enter(region: ShardedRandomRegion) -> Callable:
-    def pre_hook(module: nn.Module, args: tuple) -> None:
-        stack = _regions()
-        if not stack:
-            _LOCAL.mode = _FullDrawMode()
-            _LOCAL.mode.__enter__()
-        stack.append(region)
+def _draw_per_rank(func, args: tuple, kwargs: dict, region: ShardedRandomRegion):
+    """Run ``func`` on the local tensor from a stream of this tp rank's own (Megatron's tracker behaviour).
 
-    return pre_hook
+    The stream is seeded from one number of the call's shared stream and the tp rank, so it is reproducible and
+    layout-independent at one tp degree; the shared stream then continues alike on every rank.
+    """
+    (number,) = torch.randint(1 << 62, (1,)).tolist()
+    seed = (number * 1_000_003 + region.tp.rank) & ((1 << 63) - 1)
+    shared = _get_states()
+    for generator in _generators():
+        generator.manual_seed(seed)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        _set_states(shared)
 
 
-def _exit(module: nn.Module, args: tuple, output) -> None:
+def _push(region: ShardedRandomRegion) -> None:
+    """Enter a region on this thread (the draw mode is on while any region is)."""
+    stack = _regions()
+    if not stack:
+        _LOCAL.mode = _ShardedDrawMode()
+        _LOCAL.mode.__enter__()
+    stack.append(region)
+
+
+def _pop() -> None:
     stack = _regions()
     stack.pop()
     if not stack:
@@ -177,18 +199,40 @@ def _exit(module: nn.Module, args: tuple, output) -> None:
         _LOCAL.mode = None
 
 
-def install_sharded_random(root: nn.Module, tp: TPGroup) -> list[str]:
-    """Make random ops on sharded activations draw one process's numbers (see the Note); returns the regions.
+@dataclass
+class _Installed:
+    region: ShardedRandomRegion
+    handles: tuple[RemovableHandle, RemovableHandle]
+
+
+def _pre_hook(module: nn.Module, args: tuple) -> None:
+    _push(module._lmp_sharded_random.region)
+
+
+def _post_hook(module: nn.Module, args: tuple, output) -> None:
+    _pop()
+
+
+def install_sharded_random(root: nn.Module, tp: TPGroup, streams: RandomStreams = "one_process") -> list[str]:
+    """Make random ops on sharded activations draw as ``streams`` says (see the Note); returns the regions' FQNs.
 
     A region is a module with a direct child that is a column-parallel ``DistributedLinear`` without
-    ``gather_output``. Does nothing at ``tp.size == 1``; a module is installed once.
+    ``gather_output``. Does nothing at ``tp.size == 1``. Installing again on a module changes its ``streams``.
 
     Args:
         root: the model after its tensor-parallel swap.
         tp: this rank's tensor-parallel group.
+        streams: ``"one_process"``: draw the full tensor and keep this rank's slice (equal to tp=1).
+            ``"per_rank"``: draw the local shard from a stream of this tp rank's own (Megatron's
+            ``CudaRNGStatesTracker``): ``1 / tp`` of the numbers, independent masks, not equal to tp=1.
+
+    Raises:
+        ValueError: for another ``streams``.
     """
     from lightning_mp.nn._linear import DistributedLinear  # noqa: PLC0415 (nn imports tp)
 
+    if streams not in ("one_process", "per_rank"):
+        raise ValueError(f"`streams` must be 'one_process' or 'per_rank', got {streams!r}.")
     if tp.size == 1:
         return []
     names = []
@@ -197,7 +241,7 @@ def install_sharded_random(root: nn.Module, tp: TPGroup) -> list[str]:
             c for c in module.children()
             if isinstance(c, DistributedLinear) and c.parallel == "column" and not c.gather_output
         ]
-        if not columns or getattr(module, "_lmp_sharded_random", False):
+        if not columns:
             continue
         region = ShardedRandomRegion(
             name=fqn,
@@ -205,11 +249,30 @@ def install_sharded_random(root: nn.Module, tp: TPGroup) -> list[str]:
             local_widths=frozenset(_local_width(c) for c in columns if _parts(c) == 1),
             replicated_widths=frozenset(c.in_features for c in columns),
             fused_widths=frozenset(_local_width(c) for c in columns if _parts(c) > 1),
+            per_rank=streams == "per_rank",
         )
-        module.register_forward_pre_hook(_enter(region))
-        module.register_forward_hook(_exit, always_call=True)
-        module._lmp_sharded_random = True
+        installed = getattr(module, "_lmp_sharded_random", None)
+        if installed is not None:
+            installed.region = region
+        else:
+            pre = module.register_forward_pre_hook(_pre_hook)
+            post = module.register_forward_hook(_post_hook, always_call=True)  # also when the call raises
+            module._lmp_sharded_random = _Installed(region, (pre, post))
         names.append(fqn)
+    return names
+
+
+def remove_sharded_random(root: nn.Module) -> list[str]:
+    """Undo :func:`install_sharded_random`: random ops in ``root``'s regions draw from the shared stream again
+    (every tp rank the same numbers for its own shard). Returns the FQNs of the regions removed."""
+    names = []
+    for fqn, module in root.named_modules():
+        installed = getattr(module, "_lmp_sharded_random", None)
+        if installed is not None:
+            for handle in installed.handles:
+                handle.remove()
+            del module._lmp_sharded_random
+            names.append(fqn)
     return names
 
 
