@@ -5,16 +5,19 @@ replays it for the tensors a model still holds. See [Note: delayed init replays 
 ``_record.py``.
 """
 
+from lightning_mp.init._per_call import PerCallReport, materialize_per_call
 from lightning_mp.init._record import InitRecord, delay_param_initialization, find_record, is_recording
 from lightning_mp.init._replay import MaterializeReport, ShardFn, defer_load, materialize_module
 
 __all__ = [
     "InitRecord",
     "MaterializeReport",
+    "PerCallReport",
     "ShardFn",
     "defer_load",
     "delay_param_initialization",
     "find_record",
     "is_recording",
     "materialize_module",
+    "materialize_per_call",
 ]

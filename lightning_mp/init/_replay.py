@@ -300,13 +300,18 @@ OnReady = Callable[[int, torch.UntypedStorage], int]
 
 
 def replay(
-    record: InitRecord, kept: Iterable[int], on_ready: OnReady | None = None
+    record: InitRecord,
+    kept: Iterable[int],
+    on_ready: OnReady | None = None,
+    rng_states: dict[int, torch.Tensor] | None = None,
 ) -> tuple[dict[int, torch.UntypedStorage], MaterializeReport]:
     """Replay ``record`` from its start random state; return the real storages of ``kept`` (storage ids).
 
     With ``on_ready``, each kept storage is handed to it right after its last op instead (and not returned);
-    it returns how many bytes of it the caller keeps (for ``peak_bytes``). The process's random state is left as
-    it was (``torch.random.fork_rng``).
+    it returns how many bytes of it the caller keeps (for ``peak_bytes``). With ``rng_states`` (from
+    :func:`advance_rng`: the CPU generator state before each random op, by tape index), a random op that runs for
+    real starts from its recorded state and the others are not drawn at all, so only the ops ``kept`` needs run
+    (CPU builds only). The process's random state is left as it was (``torch.random.fork_rng``).
     """
     kept = set(kept)
     plan = _plan(record, kept)
@@ -325,6 +330,8 @@ def replay(
                 storages.pending[made[0]] = op  # allocated when first touched
                 ran += 1
             elif plan.real[index]:
+                if op.random and rng_states is not None:
+                    torch.set_rng_state(rng_states[index])
                 result = _run(op, storages.view, record.storage_devices)
                 fresh = [o for o in op.outputs if o.sid in op.writes and o.sid not in storages.real]
                 if fresh:
@@ -337,7 +344,7 @@ def replay(
             else:
                 for sid in made:  # its values are dead, but a later op overwrites the storage: allocate it then
                     storages.pending[sid] = op
-                if op.random:
+                if op.random and rng_states is None:
                     max_scratch = max(max_scratch, _draw_on_scratch(op, record.storage_devices))
                     scratched += 1
             peak = max(peak, storages.live + held)
@@ -367,13 +374,19 @@ def replay(
     return real, report
 
 
-def advance_rng(record: InitRecord) -> None:
-    """Move the process's generators forward by the build's draws (all on scratch), as an eager build would."""
+def advance_rng(record: InitRecord, rng_states: dict[int, torch.Tensor] | None = None) -> None:
+    """Move the process's generators forward by the build's draws (all on scratch), as an eager build would.
+
+    ``rng_states``: filled with the CPU generator state before each random op, by tape index (for
+    :func:`replay`'s ``rng_states``).
+    """
     _set_start_state(record)
-    for op in record.ops:
+    for index, op in enumerate(record.ops):
         if isinstance(op, SetRngState):
             torch.set_rng_state(op.state)
         elif op.random:
+            if rng_states is not None:
+                rng_states[index] = torch.get_rng_state()
             _draw_on_scratch(op, record.storage_devices)
 
 

@@ -1,24 +1,28 @@
 """Strategy glue for delayed parameter initialisation: a meta trace, then each rank materialises its stage.
 
 The torch-only machinery is :mod:`lightning_mp.init`. Here: the partitioning trace of a meta-built model runs
-on a meta copy of the sample batch (so no parameter is ever allocated for tracing), and after the engine has
-dropped every other stage's tensors, what is left on the rank (its stage, plus stateless modules' buffers,
-which run everywhere) is materialised by replaying the record.
+on a meta copy of the sample batch (so no parameter is ever allocated for tracing); a model whose step reads a
+value (``if x[0, 0].item() > 0``) cannot run on meta and is traced again on the real sample with each module's
+weights made real during its own call only (see [Note: per-call materialisation] in ``init/_per_call.py``).
+After the engine has dropped every other stage's tensors, what is left on the rank (its stage, plus stateless
+modules' buffers, which run everywhere) is materialised by replaying the record.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
-from lightning_mp.init import MaterializeReport, find_record, materialize_module
+from lightning_mp.init import MaterializeReport, find_record, materialize_module, materialize_per_call
 
-__all__ = ["is_delayed", "materialize_stage", "meta_trace_inputs"]
+T = TypeVar("T")
+
+__all__ = ["MetaInputs", "is_delayed", "materialize_stage", "meta_trace_inputs", "needs_real_values", "trace_per_call"]
 
 
 def is_delayed(model: nn.Module) -> bool:
@@ -26,13 +30,57 @@ def is_delayed(model: nn.Module) -> bool:
     return find_record(model) is not None
 
 
-def meta_trace_inputs(to_device: Callable[[Any], Any]) -> Callable[[Any], Any]:
+class MetaInputs:
+    """``real`` (the loop's move to the device) followed by a move of every tensor to meta: the trace input of a
+    meta model. ``real`` is kept for a trace that needs values (:func:`trace_per_call`)."""
+
+    def __init__(self, real: Callable[[Any], Any]) -> None:
+        self.real = real
+
+    def __call__(self, batch: Any) -> Any:
+        return apply_to_collection(self.real(batch), torch.Tensor, lambda t: t.to("meta"))
+
+
+def meta_trace_inputs(to_device: Callable[[Any], Any]) -> MetaInputs:
     """``to_device`` followed by a move of every tensor to the meta device: the trace input of a meta model."""
+    return MetaInputs(to_device)
 
-    def to_meta(batch: Any) -> Any:
-        return apply_to_collection(to_device(batch), torch.Tensor, lambda t: t.to("meta"))
 
-    return to_meta
+def needs_real_values(inputs: Callable[[Any], Any], err: BaseException) -> bool:
+    """Whether a meta trace failed because the step needs tensor values (``.item()``, ``if tensor:``, ...)."""
+    cause = err.__cause__ or err
+    return isinstance(inputs, MetaInputs) and "meta" in f"{err} {cause}"
+
+
+def trace_per_call(
+    model: nn.Module, run: Callable[[Callable[[Any], Any]], T], inputs: MetaInputs, first: Exception
+) -> T:
+    """Run ``run(inputs.real)`` (a trace on the real sample) with each module's weights real during its call only.
+
+    Raises:
+        RuntimeError: naming the module that was running, the failing op and the way out, if that trace fails too
+            (a module that uses another module's parameters outside that module's call, code outside any module
+            that uses parameters).
+    """
+    with materialize_per_call(model) as report:
+        try:
+            result = run(inputs.real)
+        except RuntimeError as err:
+            where = report.failed_in or "<the step, outside any module>"
+            reason = first.__cause__ or first
+            raise RuntimeError(
+                f"The step reads tensor values, which the meta trace of a delayed-init model cannot ({reason});"
+                f" traced again with each module's weights real during its own call, it failed in module"
+                f" {where!r}: {err.__cause__ or err}. Parameters used outside their own module's call cannot be made"
+                " real this way. Give the partition yourself with `partition_plan=` (a plan for every module, e.g."
+                " the partition.json that PartitionSummary writes from an eager run), or build the model eagerly"
+            ) from err
+    rank_zero_info(
+        f"lightning_mp: the step reads tensor values, so the partitioning trace ran on the real sample with each"
+        f" module's weights made real during its own call: {report.calls} calls, at most"
+        f" {report.peak_bytes / 2**10:,.1f} KiB of weights at once (the model: {report.total_bytes / 2**10:,.1f} KiB)"
+    )
+    return result
 
 
 def materialize_stage(model: nn.Module, device: torch.device, stage: int) -> MaterializeReport:

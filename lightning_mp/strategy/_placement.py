@@ -28,6 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_mp.config import SMPConfig
 from lightning_mp.partition import ModelTrace, PartitionPlan, manual_placements, plan, trace
 from lightning_mp.pipeline import split_microbatches
+from lightning_mp.strategy._delayed import needs_real_values, trace_per_call
 from lightning_mp.strategy._launch import print_on_one_rank
 
 if TYPE_CHECKING:
@@ -200,14 +201,19 @@ def _trace_like_the_step(
     buffers = {id(b): (b, b.detach().clone()) for b in module.buffers()}
     module.train(training)
     devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
-    try:
+
+    def run(inputs: Callable[[Any], Any]) -> ModelTrace:
         with torch.random.fork_rng(devices=devices):  # the sample and the trace leave the RNG as it was
-            return trace(
-                module,
-                _trace_run(trainer, config, to_device, batch),
-                measure_time=config.trace_execution_times,
-                grad_enabled=training,
-            )
+            run_step = _trace_run(trainer, config, inputs, batch)
+            return trace(module, run_step, measure_time=config.trace_execution_times, grad_enabled=training)
+
+    try:
+        try:
+            return run(to_device)
+        except RuntimeError as err:
+            if not needs_real_values(to_device, err):
+                raise
+            return trace_per_call(module, run, to_device, err)  # delayed init and a step that reads values
     except RuntimeError as err:
         raise RuntimeError(f"{err}.\n{_trace_hint(config)}") from err.__cause__
     finally:

@@ -894,7 +894,17 @@ class SMPStrategy(ParallelStrategy):
     def teardown(self) -> None:
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
-        super().teardown()
+        module = self.lightning_module
+        if module is None or not is_delayed(module):
+            super().teardown()
+            return
+        # a setup that failed before materialisation: the model is still on meta and Lightning's move to CPU would
+        # raise "Cannot copy out of meta tensor" over the error that stopped the setup; there is nothing to move
+        module.cpu = lambda: module
+        try:
+            super().teardown()
+        finally:
+            del module.cpu
 
     @classmethod
     @override
