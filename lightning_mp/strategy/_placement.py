@@ -26,6 +26,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_mp.config import SMPConfig
+from lightning_mp.memory._host import fix_mmap_threshold
 from lightning_mp.partition import ModelTrace, PartitionPlan, manual_placements, plan, trace
 from lightning_mp.pipeline import split_microbatches
 from lightning_mp.strategy._delayed import needs_real_values, trace_per_call
@@ -131,6 +132,7 @@ def make_plan_in_child(
             # the parent's OpenMP pool does not exist here: a parallel CPU kernel (the DataLoader's collate of the
             # first batch) would wait for it forever; torch's DataLoader workers do the same (_worker_loop)
             torch.set_num_threads(1)
+            fix_mmap_threshold()  # weights made real per call and freed (`trace_per_call`) go back to the OS
             try:
                 stages, model_trace = make()
                 payload: tuple = ("ok", stages.to_dict(), model_trace)
