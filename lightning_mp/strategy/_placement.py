@@ -15,13 +15,15 @@ import signal
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
@@ -199,9 +201,8 @@ def _trace_like_the_step(
     modes = {m: m.training for m in module.modules()}
     buffers = {id(b): (b, b.detach().clone()) for b in module.buffers()}
     module.train(training)
-    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
     try:
-        with torch.random.fork_rng(devices=devices):  # the sample and the trace leave the RNG as it was
+        with generators_kept():  # the sample and the trace leave every generator as it was
             return trace(
                 module,
                 _trace_run(trainer, config, to_device, batch),
@@ -357,9 +358,23 @@ def first_batch(trainer: pl.Trainer) -> Any | None:
     """The first batch of the dataloader of the stage the trainer runs, as the loop would get it (before moving it
     to the device); ``None`` without a dataloader. The random generators are left as they were (the dataloader
     hook, a shuffling sampler and worker seeds draw from them)."""
-    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices):
+    with generators_kept():
         return _first_batch(trainer)
+
+
+@contextmanager
+def generators_kept() -> Iterator[None]:
+    """Restore every global generator a step may draw from on exit: torch's CPU one (and CUDA's once CUDA is
+    initialised), numpy's and Python's ``random`` (Lightning's own snapshot of them, as its spawn launcher takes).
+
+    The first batch and the trace run the user's dataloader and ``training_step`` once more than a run on one
+    device does; without this, the loader's shuffle and every later draw would differ from that run's.
+    """
+    states = _collect_rng_states(include_cuda=torch.cuda.is_initialized())
+    try:
+        yield
+    finally:
+        _set_rng_states(states)
 
 
 def _first_batch(trainer: pl.Trainer) -> Any | None:

@@ -23,7 +23,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.seed import pl_worker_init_function, reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
@@ -327,6 +327,21 @@ class SMPStrategy(ParallelStrategy):
         """Shard data over the data-parallel axis only: all stages of one replica read the same batches."""
         return {"num_replicas": self.topology.data_parallel_degree, "rank": self.topology.dp_rank}
 
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Under ``seed_everything(workers=True)``, seed loader workers by data-parallel rank, not global rank.
+
+        Lightning then leaves the ``worker_init_fn`` alone; every pp/tp rank of a replica draws in its workers what
+        ``ddp``'s rank ``dp_rank`` draws (one device's with one replica), so the ranks of a replica read one batch.
+        """
+        if (
+            int(os.environ.get("PL_SEED_WORKERS", 0))
+            and getattr(dataloader, "worker_init_fn", False) is None
+            and self._topology is not None
+        ):
+            dataloader.worker_init_fn = partial(pl_worker_init_function, rank=self._topology.dp_rank)  # type: ignore[attr-defined]
+        return dataloader
+
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
@@ -347,7 +362,6 @@ class SMPStrategy(ParallelStrategy):
         apply_thread_policy(self.num_processes)  # for launch paths without a launcher; see _launch.py
         if self.config.release_host_memory and not fix_mmap_threshold():
             rank_zero_warn("release_host_memory=True has no effect here: it needs glibc (Linux) malloc.")
-        reset_seed()
         self.set_world_ranks()
         backend = self.config.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
@@ -359,6 +373,8 @@ class SMPStrategy(ParallelStrategy):
             self.config.tensor_parallel_degree,
             self.config.placement_strategy,
         )
+        if self._topology.data_parallel_degree > 1:  # see [Note: generators at launch]
+            reset_seed()
         check_data_plane(self.config, self.root_device)  # before the first collective
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, timeout=self.config.timeout)
@@ -896,6 +912,14 @@ class SMPStrategy(ParallelStrategy):
         strategy_registry.register(
             "smp", cls, description="lightning_mp: automatic pipeline partitioning x data parallel (SageMaker MP design)"
         )
+
+
+# [Note: generators at launch] One replica (pp x tp ranks and no more) is the peer of one device (``"auto"``),
+# which leaves the global generators as the user's script left them: the shuffle of a ``shuffle=True`` loader, then
+# every draw, equals that run's. Several replicas are the peer of ``ddp``, which re-seeds from ``PL_GLOBAL_SEED``
+# in ``setup_environment`` (and shards with ``DistributedSampler``); so do we. Every rank of a replica starts from
+# the same state either way: popen and torchrun re-run the script, fork inherits, and Lightning's spawn launcher
+# restores the parent's snapshot. Setup's extra work (first batch, trace) restores them (``generators_kept``).
 
 
 # [Note: token-weighted losses] A loss that is a mean over a data-dependent count (tokens with ``labels != -100``
