@@ -38,7 +38,7 @@ from typing_extensions import override
 from lightning_mp.config import SMPConfig
 from lightning_mp.callbacks import PartitionSummary
 from lightning_mp.partition import ModelTrace, PartitionPlan, manual_placements
-from lightning_mp.pipeline import MicrobatchSplitError, PipelineEngine, merge_microbatches, split_microbatches
+from lightning_mp.pipeline import MicrobatchSplitError, PipelineEngine, merge_microbatches, split_batch
 from lightning_mp.init import delay_param_initialization
 from lightning_mp.memory._host import fix_mmap_threshold, trim_host_memory
 from lightning_mp.strategy import _checkpoint
@@ -101,7 +101,7 @@ class SMPStrategy(ParallelStrategy):
         pipeline_parallel_degree: number of pipeline stages (SMP ``partitions``).
         tensor_parallel_degree: ranks per tensor-parallel group; modules marked with ``set_tensor_parallelism`` /
             ``tensor_parallelism()`` are swapped for distributed ones at setup (see ``strategy/_tp.py``).
-        microbatches: microbatches per batch; every tensor's dim 0 must divide by it.
+        microbatches: microbatches per batch; every tensor's dim 0 (and every list of one value per sample) must divide by it.
         non_split_inputs: top-level batch entries (dict keys, dataclass/NamedTuple field names, tuple/list
             positions) given whole to every microbatch instead of split (SMP's ``non_split_inputs``).
         pipeline: ``"interleaved"`` (ready work in 1F1B order, 1F1B-like memory) or ``"simple"`` (GPipe).
@@ -245,6 +245,7 @@ class SMPStrategy(ParallelStrategy):
         self._grads = GradientStash()
         self._reducer: GradientReducer | None = None  # dp > 1: see [Note: overlapped gradient all-reduce]
         self._warned_eval_split = False
+        self._warned_replicated = False  # a batch in which nothing splits (see `_split`)
 
     # ---- parallel layout -------------------------------------------------------------------------------------
 
@@ -720,7 +721,7 @@ class SMPStrategy(ParallelStrategy):
     def _split(self, batch: Any, training: bool) -> list[Any]:
         """Split on every rank (all stages hold the batch), so a bad batch fails everywhere before any message."""
         try:
-            return split_microbatches(batch, self.config.microbatches, non_split_inputs=self.config.non_split_inputs)
+            split = split_batch(batch, self.config.microbatches, non_split_inputs=self.config.non_split_inputs)
         except MicrobatchSplitError:
             if training:
                 raise
@@ -732,6 +733,15 @@ class SMPStrategy(ParallelStrategy):
                 )
                 self._warned_eval_split = True
             return [batch]
+        if not split.split_any and self.config.microbatches > 1 and not self._warned_replicated:
+            rank_zero_warn(
+                f"Nothing in this batch splits into `microbatches={self.config.microbatches}`: every microbatch gets"
+                f" the whole batch ({', '.join(split.replicated) or 'an empty batch'}), so each one computes it all."
+                " Return tensors with the batch on dim 0, or lists/tuples of one value per sample, or use"
+                " microbatches=1."
+            )
+            self._warned_replicated = True
+        return split.parts
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:

@@ -107,3 +107,62 @@ def test_shuffled_batches_and_generators_match_the_peer_strategy(tmp_path, pp, d
     got = _fit(str(tmp_path / "smp"), strategy, pp * dp, workers)
     for rank, steps in enumerate(got):  # global rank = dp_rank * pp + pp_rank
         _assert_same_steps(steps, expected[rank // pp])
+
+
+class Texts(Dataset):
+    """Sample ``i``: a text of token ids (tokenised in the step, as with a Hugging Face tokenizer) and a target."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int):
+        return " ".join(str((i * k) % 10) for k in range(1, 1 + i % 4 + 1)), float(i % 3)
+
+
+class TokenisesInTheStep(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.EmbeddingBag(10, 4, mode="mean")
+        self.head = torch.nn.Linear(4, 1)
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        texts, target = batch  # texts: list of B strings, target: (B,)
+        assert len(texts) == target.shape[0], "strings and tensors of one microbatch belong together"
+        ids = [torch.tensor([int(t) for t in text.split()]) for text in texts]
+        offsets = torch.tensor([0] + [len(i) for i in ids[:-1]]).cumsum(0)
+        prediction = self.head(self.embed(torch.cat(ids), offsets)).squeeze(1)  # (B,)
+        return torch.nn.functional.mse_loss(prediction, target.float())
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+    def on_train_end(self):
+        torch.save({"losses": self.losses, "params": dict(self.named_parameters())}, self.out_file)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(Texts(), batch_size=8)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def _fit_texts(out_file: str, strategy) -> dict:
+    torch.manual_seed(0)
+    model = TokenisesInTheStep()
+    model.out_file = out_file
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=3, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(model)
+    return torch.load(out_file, weights_only=False)
+
+
+def test_a_batch_of_strings_splits_into_microbatches_as_on_one_device(tmp_path):
+    expected = _fit_texts(str(tmp_path / "auto.pt"), "auto")
+    got = _fit_texts(str(tmp_path / "smp.pt"), lightning_mp.SMPStrategy(microbatches=2, start_method="spawn"))
+    torch.testing.assert_close(got["losses"], expected["losses"], rtol=1e-5, atol=1e-6)
+    assert sorted(got["params"]) == sorted(expected["params"])
+    for name, value in got["params"].items():
+        torch.testing.assert_close(value, expected["params"][name], rtol=1e-5, atol=1e-6, msg=name)
