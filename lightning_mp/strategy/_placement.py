@@ -43,6 +43,7 @@ __all__ = [
     "make_plan",
     "make_plan_in_child",
     "plan_saved_in",
+    "read_plan",
     "single_stage_plan",
     "trace_in_child",
 ]
@@ -252,7 +253,27 @@ def load_plan(path: str, module: torch.nn.Module, num_stages: int) -> PartitionP
 
     Raises:
         FileNotFoundError: if ``path`` holds no plan.
-        ValueError: if the plan has another number of stages or other module names than ``module``.
+        ValueError: if the file is not a readable plan, or the plan has another number of stages or other module
+            names than ``module``.
+    """
+    loaded = read_plan(path, num_stages)
+    names = {fqn for fqn, _ in module.named_modules(remove_duplicate=False)}
+    if names != set(loaded.stage_of):
+        missing, extra = sorted(names - set(loaded.stage_of)), sorted(set(loaded.stage_of) - names)
+        raise ValueError(
+            f"The plan at {path!r} is for another model: modules missing from it {missing[:5]}, unknown to the"
+            f" model {extra[:5]}. Drop `partition_plan` to plan anew."
+        )
+    return loaded
+
+
+def read_plan(path: str, num_stages: int) -> PartitionPlan:
+    """The plan saved at ``path`` (JSON file, lightning_mp checkpoint folder or file), checked for ``num_stages``;
+    no model needed, so the launching process checks it before any process starts.
+
+    Raises:
+        FileNotFoundError: if ``path`` holds no plan.
+        ValueError: if the file is not a readable plan, or the plan has another number of stages.
     """
     source = Path(path)
     if (source / "partition.json").is_file():  # the log folder PartitionSummary wrote to
@@ -261,7 +282,10 @@ def load_plan(path: str, module: torch.nn.Module, num_stages: int) -> PartitionP
         metadata = torch.load(source / "meta.pt", weights_only=False) if (source / "meta.pt").is_file() else {}
         data = metadata.get(PLAN_KEY, {}).get("partition_plan")
     elif source.is_file() and source.suffix == ".json":
-        data = json.loads(source.read_text())
+        try:
+            data = json.loads(source.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(_unreadable_plan(source, f"it is not valid JSON ({err})")) from err
     elif source.is_file():  # one full checkpoint file (save_distributed_checkpoint=False)
         checkpoint = torch.load(source, map_location="cpu", mmap=True, weights_only=False)
         data = checkpoint.get(PLAN_KEY, {}).get("partition_plan") if isinstance(checkpoint, dict) else None
@@ -272,20 +296,24 @@ def load_plan(path: str, module: torch.nn.Module, num_stages: int) -> PartitionP
             f"No partition plan at {path!r}: pass a JSON file written by PartitionSummary or a lightning_mp"
             " checkpoint folder."
         )
-    loaded = PartitionPlan.from_dict(data)
+    try:
+        loaded = PartitionPlan.from_dict(data)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise ValueError(_unreadable_plan(source, f"it holds no partition plan ({type(err).__name__}: {err})")) from err
     if loaded.num_stages != num_stages:
         raise ValueError(
             f"The plan at {path!r} has {loaded.num_stages} stages but pipeline_parallel_degree={num_stages}."
             " Use the same degree, or drop `partition_plan` to plan anew."
         )
-    names = {fqn for fqn, _ in module.named_modules(remove_duplicate=False)}
-    if names != set(loaded.stage_of):
-        missing, extra = sorted(names - set(loaded.stage_of)), sorted(set(loaded.stage_of) - names)
-        raise ValueError(
-            f"The plan at {path!r} is for another model: modules missing from it {missing[:5]}, unknown to the"
-            f" model {extra[:5]}. Drop `partition_plan` to plan anew."
-        )
     return loaded
+
+
+def _unreadable_plan(source: Path, why: str) -> str:
+    return (
+        f"Cannot read the partition plan {str(source)!r}: {why}. Write it again (PartitionSummary writes"
+        " partition.json to the log folder), point `partition_plan` at a lightning_mp checkpoint folder, or drop"
+        " `partition_plan` to plan anew."
+    )
 
 
 def plan_saved_in(path: Path, module: torch.nn.Module, num_stages: int) -> PartitionPlan | None:

@@ -46,6 +46,7 @@ from lightning_mp.strategy._consolidate import hf_info
 from lightning_mp.strategy import _tp
 from lightning_mp.strategy._exit import release_at_exit
 from lightning_mp.strategy._launch import apply_thread_policy, make_launcher, resolve_resume_path
+from lightning_mp.strategy._prelaunch import check_before_launch
 from lightning_mp.strategy._metrics import load_metric_log, sync_metrics_over
 from lightning_mp.strategy._tied import TiedWeights, build_tied_weights, original_names, replicated_stages
 from lightning_mp.strategy._precision import install_synced_scaler, loss_scale_of
@@ -356,6 +357,11 @@ class SMPStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         self._launcher = make_launcher(self, self._start_method)  # see [Note: threads per process] in _launch.py
+
+    def check_before_launch(self, function: Any, args: tuple, kwargs: dict) -> None:
+        """What the layout makes certain to fail, raised in the launching process before any other process starts
+        (the launchers call this; see ``_prelaunch.py``)."""
+        check_before_launch(self.config, self.num_nodes * self.num_processes, function, args, kwargs)
 
     @override
     def setup_environment(self) -> None:
