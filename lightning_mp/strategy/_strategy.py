@@ -78,7 +78,12 @@ from lightning_mp.strategy._step import (
     detach_cpu,
     replay_logs,
 )
-from lightning_mp.strategy._zero import local_optimizer, shard_optimizer, sync_hyperparameters_from_local
+from lightning_mp.strategy._zero import (
+    local_optimizer,
+    shard_optimizer,
+    sync_hyperparameters_from_local,
+    track_step_for_schedulers,
+)
 from lightning_mp.topology import MeshAxis, Topology, build_device_mesh
 from lightning_mp.tp import ParallelGroups
 
@@ -624,7 +629,9 @@ class SMPStrategy(ParallelStrategy):
         group = self.device_mesh.get_group(MeshAxis.DP.value)
         sharded = {id(o): shard_optimizer(o, group) for o in self.optimizers}
         for config in self.lr_scheduler_configs:
-            config.scheduler.optimizer = sharded.get(id(config.scheduler.optimizer), config.scheduler.optimizer)
+            if id(config.scheduler.optimizer) in sharded:
+                config.scheduler.optimizer = sharded[id(config.scheduler.optimizer)]
+                track_step_for_schedulers(config.scheduler.optimizer)
         self.optimizers = list(sharded.values())
 
     @override
