@@ -269,7 +269,7 @@ class GPT(pl.LightningModule):
             The scalar mean loss over all ``B * T`` positions.
         """
         loss = self._loss(batch)
-        self.log("val_loss", loss, prog_bar=True)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
     def configure_optimizers(self):

@@ -84,7 +84,7 @@ class LlamaLM(pl.LightningModule):
 
     def validation_step(self, batch, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
-        self.log("val_loss", loss, prog_bar=True)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
     def configure_optimizers(self):

@@ -4,7 +4,7 @@ Usage::
 
     lightning-mp fit --config configs/gpt_pp2.yaml
     lightning-mp fit --config configs/gpt_single.yaml --trainer.max_steps 100
-    lightning-mp consolidate lightning_logs/version_0/checkpoints/last model.safetensors [--hf]
+    lightning-mp consolidate lightning_logs/gpt_pp2/version_0/checkpoints/last model.safetensors [--hf]
 
 Any LightningModule/DataModule reachable by import path can be named in the config (``class_path``);
 ``--trainer.strategy smp`` or ``strategy: {class_path: lightning_mp.SMPStrategy, init_args: {...}}`` selects
@@ -37,7 +37,20 @@ def main(args: list[str] | None = None) -> None:
         # `examples.*` and user modules in the working directory resolve (absolute path: jsonargparse changes
         # directory to the config file's folder while parsing it)
         sys.path.insert(0, cwd)
-    SMPCLI(args=args, subclass_mode_model=True, subclass_mode_data=True, save_config_kwargs={"overwrite": True})
+    SMPCLI(
+        args=args,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs={"description": _DESCRIPTION},
+    )
+
+
+_DESCRIPTION = (
+    "lightning-mp: Lightning's CLI with the 'smp' strategy (lightning_mp.SMPStrategy) registered. Subcommands: fit,"
+    " validate, test, predict (below), and consolidate CKPT_DIR OUT [--hf], which writes a lightning_mp checkpoint"
+    " folder as one plain state dict (.pt / .safetensors) or a Hugging Face folder (lightning-mp consolidate --help)."
+)
 
 
 class SMPCLI(LightningCLI):
@@ -48,6 +61,16 @@ class SMPCLI(LightningCLI):
     in the ``SMPStrategy`` init args, or a ``lightning_mp.DelayedParameterInit`` callback, the model is
     instantiated inside :func:`lightning_mp.delay_param_initialization` instead (the data module is not).
     """
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        """The trainer; with ``default_root_dir`` set and Lightning's default logger, runs go to
+        ``<default_root_dir>/version_N`` (the configs name a folder per config: ``lightning_logs/gpt_pp2/version_0``),
+        not ``<default_root_dir>/lightning_logs/version_N``."""
+        trainer = super().instantiate_trainer(**kwargs)
+        config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
+        if config.get("default_root_dir") is not None and config.get("logger") in (None, True):
+            _one_folder_per_run(trainer)
+        return trainer
 
     def _add_instantiators(self) -> None:
         super()._add_instantiators()
@@ -78,6 +101,16 @@ class SMPCLI(LightningCLI):
             return True
         callbacks = trainer.get("callbacks") or []
         return any(str(getattr(c, "class_path", "")).endswith("DelayedParameterInit") for c in callbacks)
+
+
+def _one_folder_per_run(trainer: Any) -> None:
+    """Lightning's default logger again (TensorBoard if installed, else CSV), without its ``lightning_logs`` name."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    logger = trainer.loggers[0] if len(trainer.loggers) == 1 else None
+    if type(logger) in (CSVLogger, TensorBoardLogger) and logger.name == "lightning_logs":
+        trainer.loggers = [type(logger)(save_dir=logger.save_dir, name="", version=SLURMEnvironment.job_id())]
 
 
 if __name__ == "__main__":

@@ -39,6 +39,32 @@ def test_shipped_config_parses(config):
     assert "class_path:" in result.stdout
 
 
+def test_help_lists_consolidate():
+    result = _run(["--help"], timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "consolidate CKPT_DIR OUT [--hf]" in " ".join(result.stdout.split())
+
+
+def test_consolidate_writes_files_as_torch_save_does_and_quietly(tmp_path):
+    """Modes as a plain ``torch.save`` (safetensors writes 0600), and no DCP warning about a missing process group."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_mp.strategy._consolidate import consolidate
+
+    folder = tmp_path / "last"
+    dcp.save({"state_dict": {"w": torch.arange(6.0).reshape(2, 3)}}, checkpoint_id=str(folder), no_dist=True)
+    torch.save({}, folder / "meta.pt")
+    torch.save({}, tmp_path / "plain.pt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in ("model.pt", "model.safetensors"):
+            consolidate(folder, tmp_path / name)
+            assert (tmp_path / name).stat().st_mode == (tmp_path / "plain.pt").stat().st_mode, name
+
+
 def test_strategy_by_name_parses():
     result = _run(
         ["fit", "--config", "configs/gpt_single.yaml", "--trainer.strategy", "smp", "--print_config"], timeout=120
@@ -71,8 +97,10 @@ def test_gpt_pp2_short_fit(tmp_path):
     assert len(train) == 4 and len(val) == 1
     assert all(0.0 < loss < 6.0 for loss in train + val)
     assert len(list(tmp_path.rglob("partition.png"))) == 1, "the config's PartitionSummary drew the chart"
-    checkpoints = [p for p in tmp_path.rglob("checkpoints/*") if (p / "meta.pt").is_file()]
-    assert checkpoints, "a DCP checkpoint folder with Lightning's metadata"
+    run = tmp_path / "version_0"  # the config's folder holds its runs (no doubled lightning_logs/)
+    assert metrics_files[0] == run / "metrics.csv"
+    assert (run / "checkpoints" / "last" / "meta.pt").is_file(), "the config saves last, as the README says"
+    assert f"named without '.ckpt': {run / 'checkpoints'}/last and" in output, "the message names where it lands"
     assert not list(tmp_path.rglob("*.ckpt")), "DCP folders are not named like checkpoint files"
 
 
@@ -83,6 +111,7 @@ def test_gpt_pp2_timeline_config_writes_the_trace_and_prints_the_bubble(tmp_path
     assert "lightning_mp pipeline timeline, training step 3" in output and "mean bubble" in output
     assert len(list(tmp_path.rglob("pipeline_timeline_step3.png"))) == 1
     (trace_file,) = tmp_path.rglob("pipeline_timeline_step3.json")
+    assert f"PipelineTimeline wrote {trace_file}" in output, "it says where its files are"
     assert {e["pid"] for e in json.loads(trace_file.read_text())["traceEvents"]} == {0, 1}
 
 

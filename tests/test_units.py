@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from datetime import timedelta
 from typing import NamedTuple
 
@@ -41,6 +42,35 @@ def test_split_recurses_and_replicates_non_tensors():
         assert part["inputs"].ids.shape == (2, 2) and part["inputs"].mask is None
         assert part["inputs"].temperature == 0.5
         assert part["scalar"] is batch["scalar"]
+
+
+def test_split_cuts_sequences_of_one_value_per_sample_like_dim_0():
+    """Strings collated by ``default_collate`` (a list of B) split with the tensors; other lengths stay whole."""
+    texts = [f"text {i}" for i in range(8)]
+    batch = {"text": texts, "label": torch.arange(8), "ids": tuple(range(8)), "classes": ["neg", "pos"]}
+    parts = split_microbatches(batch, 4)
+    for index, part in enumerate(parts):
+        assert part["text"] == texts[2 * index : 2 * index + 2]
+        assert part["ids"] == (2 * index, 2 * index + 1)
+        assert torch.equal(part["label"], torch.arange(2 * index, 2 * index + 2))
+        assert part["classes"] == ["neg", "pos"], "a list of another length is not per sample"
+    only_strings = split_microbatches((texts, ["a"] * 8), 2)  # no tensor: the batch size is the first list's length
+    assert only_strings[1] == (texts[4:], ["a"] * 4)
+    kept = split_microbatches({"text": texts, "label": torch.arange(8)}, 2, non_split_inputs=["text"])
+    assert all(part["text"] is texts for part in kept), "non_split_inputs opts out"
+    with pytest.raises(MicrobatchSplitError, match=r"batch\['text'\] \(a list of 6 samples.*into 4 microbatches"):
+        split_microbatches({"text": texts[:6]}, 4)
+
+
+def test_a_batch_in_which_nothing_splits_warns_once_naming_what_was_replicated():
+    strategy = SMPStrategy(microbatches=2)
+    batch = {"text": "one string", "n": 3}
+    with pytest.warns(UserWarning, match=r"Nothing in this batch splits.*batch\['text'\], batch\['n'\]"):
+        assert strategy._split(batch, training=True) == [batch, batch]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        strategy._split(batch, training=True)  # once
+        SMPStrategy(microbatches=2)._split({"text": ["a", "b"]}, training=True)  # it splits: no warning
 
 
 def test_split_then_merge_is_identity_for_tensors():

@@ -312,8 +312,11 @@ class PipelineTimeline(Callback):
         stem = os.path.join(out_dir, f"{self.filename}_step{step}")
         with open(f"{stem}.json", "w") as file:
             json.dump(chrome_trace(timelines, step), file)
+        written = [f"{stem}.json (open in https://ui.perfetto.dev)"]
         if self.chart:
             gantt_chart(timelines, report, step, f"{stem}.png")
+            written.append(f"{stem}.png")
+        rank_zero_info(f"PipelineTimeline wrote {' and '.join(written)}")
 
 
 def _validate_steps(steps: Sequence[int]) -> frozenset[int]:

@@ -14,6 +14,14 @@ outputs of that class (without it, such outputs are merged as other unknown obje
 equal, else the list of parts). A split that raises or returns another number of parts is a
 :class:`MicrobatchSplitError` naming where in the batch the value sits. Values without the method (and that are
 not tensors or containers) are given to every microbatch unchanged.
+
+[Note: sequences of samples] A batch of strings (texts tokenised inside ``training_step``), file names or ids is
+what ``default_collate`` makes of such samples: a list of ``B`` plain values. A list, tuple (not a NamedTuple) or
+other ``Sequence`` whose elements are plain values (no tensor, no container) and whose length is the batch size
+``B`` is therefore split into contiguous runs like a tensor's dim 0. ``B`` is dim 0 of the first tensor with dims
+in the batch (in the order the batch is walked), or, with no such tensor, the length of the first sequence of
+plain values. Sequences of another length (a list of label names) are given whole to every microbatch, as are
+sequences of containers (nested token lists: give them a ``split_microbatches`` method, or make them tensors).
 """
 
 from __future__ import annotations
@@ -24,22 +32,44 @@ from typing import Any
 
 import torch
 
-__all__ = ["MicrobatchSplitError", "merge_microbatches", "split_microbatches"]
+__all__ = ["MicrobatchSplit", "MicrobatchSplitError", "merge_microbatches", "split_batch", "split_microbatches"]
 
 
 class MicrobatchSplitError(ValueError):
     """A batch cannot be split into equal microbatches."""
 
 
+@dataclasses.dataclass(frozen=True)
+class MicrobatchSplit:
+    """A batch split into microbatches (see :func:`split_batch`).
+
+    Attributes:
+        parts: the microbatches, ``num_microbatches`` of them.
+        replicated: where in the batch the values given whole to every microbatch sit (``"batch['text']"``).
+        split_any: whether any value was split (``False``: every microbatch is the whole batch).
+    """
+
+    parts: list[Any]
+    replicated: tuple[str, ...]
+    split_any: bool
+
+
 def split_microbatches(
     batch: Any, num_microbatches: int, *, non_split_inputs: Collection[str | int] = ()
 ) -> list[Any]:
+    """Split ``batch`` into ``num_microbatches`` equal parts along its batch dim: :func:`split_batch`'s parts."""
+    return split_batch(batch, num_microbatches, non_split_inputs=non_split_inputs).parts
+
+
+def split_batch(batch: Any, num_microbatches: int, *, non_split_inputs: Collection[str | int] = ()) -> MicrobatchSplit:
     """Split ``batch`` into ``num_microbatches`` equal parts along dim 0 of every tensor.
 
     Tensors of shape ``(B, ...)`` become ``num_microbatches`` tensors of shape ``(B / num_microbatches, ...)``
-    (views, no copy). Lists, tuples, NamedTuples, dicts and dataclasses are split recursively; a value with its
-    own ``split_microbatches(num_microbatches)`` method is split by it (see [Note: custom microbatch split]);
-    other values (ints, strings, None, 0-dim tensors) are given to every microbatch unchanged.
+    (views, no copy); sequences of ``B`` plain values (strings, numbers) become contiguous runs of
+    ``B / num_microbatches`` (see [Note: sequences of samples]). Lists, tuples, NamedTuples, dicts and dataclasses
+    are split recursively; a value with its own ``split_microbatches(num_microbatches)`` method is split by it (see
+    [Note: custom microbatch split]); other values (ints, strings, None, 0-dim tensors) are given to every
+    microbatch unchanged.
 
     Args:
         batch: what the DataLoader yielded.
@@ -48,9 +78,13 @@ def split_microbatches(
             SMP's ``@smp.step(non_split_inputs=...)``: keys of a dict batch, attribute names of a dataclass or
             NamedTuple batch, integer positions of a tuple or list batch (NamedTuple: names or positions).
 
+    Returns:
+        The parts, and where the values given whole to every microbatch sit.
+
     Raises:
-        MicrobatchSplitError: if a tensor's dim 0 is not divisible by ``num_microbatches``, a custom split raises
-            or returns another number of parts, or ``non_split_inputs`` names an entry the batch does not have.
+        MicrobatchSplitError: if a tensor's dim 0 (or a sequence of ``B`` plain values) is not divisible by
+            ``num_microbatches``, a custom split raises or returns another number of parts, or ``non_split_inputs``
+            names an entry the batch does not have.
         ValueError: if ``num_microbatches < 1``.
     """
     if num_microbatches < 1:
@@ -58,11 +92,15 @@ def split_microbatches(
     if isinstance(non_split_inputs, str):
         non_split_inputs = (non_split_inputs,)
     if non_split_inputs:
-        return _split_top_level(batch, num_microbatches, set(non_split_inputs))
-    return _split(batch, num_microbatches, path="batch")
+        splitter = _Splitter(num_microbatches)
+        parts = _split_top_level(batch, splitter, set(non_split_inputs))
+    else:
+        splitter = _Splitter(num_microbatches, _batch_size(batch))
+        parts = splitter.split(batch, "batch")
+    return MicrobatchSplit(parts, tuple(splitter.replicated), splitter.split_any)
 
 
-def _split_top_level(batch: Any, parts: int, whole: set[str | int]) -> list[Any]:
+def _split_top_level(batch: Any, splitter: _Splitter, whole: set[str | int]) -> list[Any]:
     """Split every top-level entry of ``batch`` except those in ``whole``, which every microbatch gets as is."""
     entries = _top_level_entries(batch)
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a NamedTuple entry by position or by name
@@ -74,7 +112,13 @@ def _split_top_level(batch: Any, parts: int, whole: set[str | int]) -> list[Any]
             f" top-level entries; it has [{', '.join(sorted(map(repr, entries)))}]. Name dict keys, dataclass/NamedTuple fields"
             " or tuple/list positions of the batch the DataLoader yields."
         )
-    split = {key: [value] * parts if key in whole else _split(value, parts, path) for key, (path, value) in entries.items()}
+    splitter.batch_size = _batch_size([value for key, (_, value) in entries.items() if key not in whole])
+    parts = splitter.parts
+    split = {}
+    for key, (path, value) in entries.items():
+        split[key] = [value] * parts if key in whole else splitter.split(value, path)
+        if key in whole:
+            splitter.replicated.append(path)
     return [_rebuild(batch, {key: values[index] for key, values in split.items()}) for index in range(parts)]
 
 
@@ -105,40 +149,110 @@ def _rebuild(batch: Any, values: dict[str | int, Any]) -> Any:
     return type(batch)({k: values[k] for k in batch})
 
 
-def _split(value: Any, parts: int, path: str) -> list[Any]:
-    """``parts`` microbatches of ``value`` (``path`` says where it sits in the batch, for errors)."""
-    if isinstance(value, torch.Tensor):
-        return _split_tensor(value, parts, path)
+def _is_container(value: Any) -> bool:
+    return (
+        isinstance(value, (torch.Tensor, Mapping))
+        or (isinstance(value, Sequence) and not isinstance(value, (str, bytes)))
+        or (dataclasses.is_dataclass(value) and not isinstance(value, type))
+        or callable(getattr(type(value), "split_microbatches", None))
+    )
+
+
+def _is_sample_sequence(value: Any) -> bool:
+    """A sequence of plain values, as ``default_collate`` makes of strings (see [Note: sequences of samples])."""
+    if not isinstance(value, Sequence) or isinstance(value, (str, bytes)) or hasattr(value, "_fields"):
+        return False
     if callable(getattr(type(value), "split_microbatches", None)):
-        return _split_custom(value, parts, path)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = [f.name for f in dataclasses.fields(value) if f.init]
-        split = {name: _split(getattr(value, name), parts, f"{path}.{name}") for name in fields}
-        return [dataclasses.replace(value, **{name: split[name][i] for name in fields}) for i in range(parts)]
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # NamedTuple
-        split = [_split(v, parts, f"{path}.{k}") for k, v in zip(value._fields, value)]
-        return [type(value)(*(s[i] for s in split)) for i in range(parts)]
-    if isinstance(value, (list, tuple)):
-        split = [_split(v, parts, f"{path}[{j}]") for j, v in enumerate(value)]
-        return [type(value)(s[i] for s in split) for i in range(parts)]
-    if isinstance(value, Mapping):
-        split = {k: _split(v, parts, f"{path}[{k!r}]") for k, v in value.items()}
-        return [type(value)({k: s[i] for k, s in split.items()}) for i in range(parts)]
-    return [value] * parts
+        return False
+    return len(value) > 0 and not any(_is_container(v) for v in value)
 
 
-def _split_tensor(value: torch.Tensor, parts: int, path: str) -> list[torch.Tensor]:
-    if value.dim() == 0:
-        return [value] * parts
-    size = value.shape[0]
-    if size % parts != 0:
-        raise MicrobatchSplitError(
-            f"Cannot split {path} with shape {tuple(value.shape)} into {parts} microbatches: dim 0 ({size}) is"
-            f" not divisible by {parts}. Use a batch size that is a multiple of `microbatches={parts}` and"
-            " `drop_last=True` in the DataLoader so the last batch is not smaller; or, if every microbatch needs"
-            " this input whole (e.g. a lookup table), list its top-level entry in `non_split_inputs`."
-        )
-    return list(value.split(size // parts))
+def _batch_size(batch: Any) -> int | None:
+    """``B``: dim 0 of the first tensor with dims, else the length of the first sequence of plain values."""
+    sequences: list[int] = []
+
+    def first_tensor(value: Any) -> int | None:
+        if isinstance(value, torch.Tensor):
+            return value.shape[0] if value.dim() > 0 else None
+        if _is_sample_sequence(value):
+            sequences.append(len(value))
+            return None
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            children: Any = [getattr(value, f.name) for f in dataclasses.fields(value) if f.init]
+        elif isinstance(value, Mapping):
+            children = value.values()
+        elif isinstance(value, (list, tuple)):
+            children = value
+        else:
+            return None
+        return next((size for size in map(first_tensor, children) if size is not None), None)
+
+    size = first_tensor(batch)
+    return size if size is not None else next(iter(sequences), None)
+
+
+@dataclasses.dataclass
+class _Splitter:
+    """One batch's split: ``parts`` microbatches along batch size ``batch_size``; records what it replicated."""
+
+    parts: int
+    batch_size: int | None = None
+    replicated: list[str] = dataclasses.field(default_factory=list)
+    split_any: bool = False
+
+    def split(self, value: Any, path: str) -> list[Any]:
+        """``parts`` microbatches of ``value`` (``path`` says where it sits in the batch, for messages)."""
+        if isinstance(value, torch.Tensor):
+            return self._split_tensor(value, path)
+        if callable(getattr(type(value), "split_microbatches", None)):
+            self.split_any = True
+            return _split_custom(value, self.parts, path)
+        if _is_sample_sequence(value) and len(value) == self.batch_size:
+            return self._split_samples(value, path)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            fields = [f.name for f in dataclasses.fields(value) if f.init]
+            split = {name: self.split(getattr(value, name), f"{path}.{name}") for name in fields}
+            return [dataclasses.replace(value, **{name: split[name][i] for name in fields}) for i in range(self.parts)]
+        if isinstance(value, tuple) and hasattr(value, "_fields"):  # NamedTuple
+            split = [self.split(v, f"{path}.{k}") for k, v in zip(value._fields, value)]
+            return [type(value)(*(s[i] for s in split)) for i in range(self.parts)]
+        if isinstance(value, (list, tuple)):
+            split = [self.split(v, f"{path}[{j}]") for j, v in enumerate(value)]
+            return [type(value)(s[i] for s in split) for i in range(self.parts)]
+        if isinstance(value, Mapping):
+            split = {k: self.split(v, f"{path}[{k!r}]") for k, v in value.items()}
+            return [type(value)({k: s[i] for k, s in split.items()}) for i in range(self.parts)]
+        self.replicated.append(path)
+        return [value] * self.parts
+
+    def _split_tensor(self, value: torch.Tensor, path: str) -> list[torch.Tensor]:
+        if value.dim() == 0:
+            self.replicated.append(path)
+            return [value] * self.parts
+        size = value.shape[0]
+        if size % self.parts != 0:
+            raise MicrobatchSplitError(
+                f"Cannot split {path} with shape {tuple(value.shape)} into {self.parts} microbatches: dim 0 ({size}) is"
+                f" not divisible by {self.parts}. Use a batch size that is a multiple of `microbatches={self.parts}` and"
+                " `drop_last=True` in the DataLoader so the last batch is not smaller; or, if every microbatch needs"
+                " this input whole (e.g. a lookup table), list its top-level entry in `non_split_inputs`."
+            )
+        self.split_any = True
+        return list(value.split(size // self.parts))
+
+    def _split_samples(self, value: Sequence, path: str) -> list[Any]:
+        """Contiguous runs of a sequence of ``batch_size`` plain values (see [Note: sequences of samples])."""
+        size = len(value)
+        if size % self.parts != 0:
+            raise MicrobatchSplitError(
+                f"Cannot split {path} (a {type(value).__name__} of {size} samples, the batch size) into {self.parts}"
+                f" microbatches: {size} is not divisible by {self.parts}. Use a batch size that is a multiple of"
+                f" `microbatches={self.parts}` and `drop_last=True` in the DataLoader; or, if every microbatch needs"
+                " it whole, list its top-level entry in `non_split_inputs`."
+            )
+        self.split_any = True
+        step = size // self.parts
+        return [value[i * step : (i + 1) * step] for i in range(self.parts)]
 
 
 def _split_custom(value: Any, parts: int, path: str) -> list[Any]:

@@ -159,9 +159,12 @@ def name_checkpoint_folders(callbacks: list[Any]) -> None:
     for callback in callbacks:
         if isinstance(callback, ModelCheckpoint) and callback.FILE_EXTENSION == ".ckpt":
             callback.FILE_EXTENSION = ""
+            names = ["last"] if callback.save_last else []
+            names += [] if callback.save_top_k == 0 else [callback.filename or "epoch=E-step=S"]
+            where = callback.dirpath or "<log dir>/checkpoints"
             rank_zero_info(
                 "lightning_mp: checkpoints are DCP folders (save_distributed_checkpoint=True), named without"
-                f" '.ckpt' (e.g. {callback.dirpath or '<log dir>/checkpoints'}/last). Pass"
+                f" '.ckpt': {' and '.join(f'{where}/{n}' for n in names) or 'none is saved'}. Pass"
                 " `save_distributed_checkpoint=False` to the strategy for one Lightning .ckpt file instead."
             )
 

@@ -14,7 +14,9 @@ keys, tied copies left out as ``save_pretrained`` does), which ``from_pretrained
 from __future__ import annotations
 
 import json
+import os
 import sys
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -56,7 +58,9 @@ def _read_state_dict(folder: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
         for key, md in metadata.items()
         if key.startswith(_PREFIX) and isinstance(md, TensorStorageMetadata)
     }
-    dcp.load({"state_dict": request}, checkpoint_id=str(folder), no_dist=True)
+    with warnings.catch_warnings():  # DCP warns on every single-process load, even when asked for one
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load({"state_dict": request}, checkpoint_id=str(folder), no_dist=True)
     meta = torch.load(folder / _META, map_location="cpu", weights_only=False)
     return request, meta.get(_PLAN_KEY, {}) if isinstance(meta, dict) else {}
 
@@ -81,9 +85,7 @@ def consolidate(folder: str | Path, out: str | Path, hf: bool = False) -> Path:
                 state[other] = state[original]
         out.parent.mkdir(parents=True, exist_ok=True)
         if out.suffix == ".safetensors":
-            from safetensors.torch import save_file
-
-            save_file(_unshared(state), str(out), metadata={"format": "pt"})
+            _save_safetensors(_unshared(state), out)
         else:
             torch.save(state, out)
         return out
@@ -93,7 +95,6 @@ def consolidate(folder: str | Path, out: str | Path, hf: bool = False) -> Path:
             f"{folder} holds no transformers model (none was found in the LightningModule when it was saved);"
             " consolidate without --hf for a plain state dict."
         )
-    from safetensors.torch import save_file
     from transformers import AutoConfig
 
     prefix = hf_meta["prefix"]
@@ -103,8 +104,19 @@ def consolidate(folder: str | Path, out: str | Path, hf: bool = False) -> Path:
     config.architectures = [hf_meta["architecture"]]
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out)
-    save_file(_unshared(weights), str(out / "model.safetensors"), metadata={"format": "pt"})
+    _save_safetensors(_unshared(weights), out / "model.safetensors")
     return out
+
+
+def _save_safetensors(state: dict[str, Tensor], path: Path) -> None:
+    """``safetensors.torch.save_file``, leaving the file with the mode ``torch.save`` gives (0666 less the umask;
+    safetensors writes 0600)."""
+    from safetensors.torch import save_file
+
+    save_file(state, str(path), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
 
 
 def _unshared(state: dict[str, Tensor]) -> dict[str, Tensor]:

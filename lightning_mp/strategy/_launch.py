@@ -92,6 +92,7 @@ class _ScriptLauncher(_SubprocessScriptLauncher):
         self._strategy = strategy
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        self._strategy.check_before_launch(function, args, kwargs)
         self._strategy._resume_path = resume_path_of(function, args, kwargs)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
@@ -100,6 +101,7 @@ class _Spawn(SpawnLauncher):
     """Our spawn/fork launcher that also hands the strategy the path it resumes from (before it is pickled)."""
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        self._strategy.check_before_launch(function, args, kwargs)
         self._strategy._resume_path = resume_path_of(function, args, kwargs)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 

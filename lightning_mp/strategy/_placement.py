@@ -15,13 +15,15 @@ import signal
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
@@ -43,6 +45,7 @@ __all__ = [
     "make_plan",
     "make_plan_in_child",
     "plan_saved_in",
+    "read_plan",
     "single_stage_plan",
     "trace_in_child",
 ]
@@ -202,10 +205,9 @@ def _trace_like_the_step(
     modes = {m: m.training for m in module.modules()}
     buffers = {id(b): (b, b.detach().clone()) for b in module.buffers()}
     module.train(training)
-    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
 
     def run(inputs: Callable[[Any], Any]) -> ModelTrace:
-        with torch.random.fork_rng(devices=devices):  # the sample and the trace leave the RNG as it was
+        with generators_kept():  # the sample and the trace leave every generator as it was
             run_step = _trace_run(trainer, config, inputs, batch)
             return trace(module, run_step, measure_time=config.trace_execution_times, grad_enabled=training)
 
@@ -259,7 +261,27 @@ def load_plan(path: str, module: torch.nn.Module, num_stages: int) -> PartitionP
 
     Raises:
         FileNotFoundError: if ``path`` holds no plan.
-        ValueError: if the plan has another number of stages or other module names than ``module``.
+        ValueError: if the file is not a readable plan, or the plan has another number of stages or other module
+            names than ``module``.
+    """
+    loaded = read_plan(path, num_stages)
+    names = {fqn for fqn, _ in module.named_modules(remove_duplicate=False)}
+    if names != set(loaded.stage_of):
+        missing, extra = sorted(names - set(loaded.stage_of)), sorted(set(loaded.stage_of) - names)
+        raise ValueError(
+            f"The plan at {path!r} is for another model: modules missing from it {missing[:5]}, unknown to the"
+            f" model {extra[:5]}. Drop `partition_plan` to plan anew."
+        )
+    return loaded
+
+
+def read_plan(path: str, num_stages: int) -> PartitionPlan:
+    """The plan saved at ``path`` (JSON file, lightning_mp checkpoint folder or file), checked for ``num_stages``;
+    no model needed, so the launching process checks it before any process starts.
+
+    Raises:
+        FileNotFoundError: if ``path`` holds no plan.
+        ValueError: if the file is not a readable plan, or the plan has another number of stages.
     """
     source = Path(path)
     if (source / "partition.json").is_file():  # the log folder PartitionSummary wrote to
@@ -268,7 +290,10 @@ def load_plan(path: str, module: torch.nn.Module, num_stages: int) -> PartitionP
         metadata = torch.load(source / "meta.pt", weights_only=False) if (source / "meta.pt").is_file() else {}
         data = metadata.get(PLAN_KEY, {}).get("partition_plan")
     elif source.is_file() and source.suffix == ".json":
-        data = json.loads(source.read_text())
+        try:
+            data = json.loads(source.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(_unreadable_plan(source, f"it is not valid JSON ({err})")) from err
     elif source.is_file():  # one full checkpoint file (save_distributed_checkpoint=False)
         checkpoint = torch.load(source, map_location="cpu", mmap=True, weights_only=False)
         data = checkpoint.get(PLAN_KEY, {}).get("partition_plan") if isinstance(checkpoint, dict) else None
@@ -279,20 +304,24 @@ def load_plan(path: str, module: torch.nn.Module, num_stages: int) -> PartitionP
             f"No partition plan at {path!r}: pass a JSON file written by PartitionSummary or a lightning_mp"
             " checkpoint folder."
         )
-    loaded = PartitionPlan.from_dict(data)
+    try:
+        loaded = PartitionPlan.from_dict(data)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise ValueError(_unreadable_plan(source, f"it holds no partition plan ({type(err).__name__}: {err})")) from err
     if loaded.num_stages != num_stages:
         raise ValueError(
             f"The plan at {path!r} has {loaded.num_stages} stages but pipeline_parallel_degree={num_stages}."
             " Use the same degree, or drop `partition_plan` to plan anew."
         )
-    names = {fqn for fqn, _ in module.named_modules(remove_duplicate=False)}
-    if names != set(loaded.stage_of):
-        missing, extra = sorted(names - set(loaded.stage_of)), sorted(set(loaded.stage_of) - names)
-        raise ValueError(
-            f"The plan at {path!r} is for another model: modules missing from it {missing[:5]}, unknown to the"
-            f" model {extra[:5]}. Drop `partition_plan` to plan anew."
-        )
     return loaded
+
+
+def _unreadable_plan(source: Path, why: str) -> str:
+    return (
+        f"Cannot read the partition plan {str(source)!r}: {why}. Write it again (PartitionSummary writes"
+        " partition.json to the log folder), point `partition_plan` at a lightning_mp checkpoint folder, or drop"
+        " `partition_plan` to plan anew."
+    )
 
 
 def plan_saved_in(path: Path, module: torch.nn.Module, num_stages: int) -> PartitionPlan | None:
@@ -365,9 +394,23 @@ def first_batch(trainer: pl.Trainer) -> Any | None:
     """The first batch of the dataloader of the stage the trainer runs, as the loop would get it (before moving it
     to the device); ``None`` without a dataloader. The random generators are left as they were (the dataloader
     hook, a shuffling sampler and worker seeds draw from them)."""
-    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices):
+    with generators_kept():
         return _first_batch(trainer)
+
+
+@contextmanager
+def generators_kept() -> Iterator[None]:
+    """Restore every global generator a step may draw from on exit: torch's CPU one (and CUDA's once CUDA is
+    initialised), numpy's and Python's ``random`` (Lightning's own snapshot of them, as its spawn launcher takes).
+
+    The first batch and the trace run the user's dataloader and ``training_step`` once more than a run on one
+    device does; without this, the loader's shuffle and every later draw would differ from that run's.
+    """
+    states = _collect_rng_states(include_cuda=torch.cuda.is_initialized())
+    try:
+        yield
+    finally:
+        _set_rng_states(states)
 
 
 def _first_batch(trainer: pl.Trainer) -> Any | None:

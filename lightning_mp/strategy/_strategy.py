@@ -23,7 +23,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.seed import pl_worker_init_function, reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
@@ -38,7 +38,7 @@ from typing_extensions import override
 from lightning_mp.config import SMPConfig
 from lightning_mp.callbacks import PartitionSummary
 from lightning_mp.partition import ModelTrace, PartitionPlan, manual_placements
-from lightning_mp.pipeline import MicrobatchSplitError, PipelineEngine, merge_microbatches, split_microbatches
+from lightning_mp.pipeline import MicrobatchSplitError, PipelineEngine, merge_microbatches, split_batch
 from lightning_mp.init import delay_param_initialization
 from lightning_mp.memory._host import fix_mmap_threshold, trim_host_memory
 from lightning_mp.strategy import _checkpoint
@@ -46,6 +46,7 @@ from lightning_mp.strategy._consolidate import hf_info
 from lightning_mp.strategy import _tp
 from lightning_mp.strategy._exit import release_at_exit
 from lightning_mp.strategy._launch import apply_thread_policy, make_launcher, resolve_resume_path
+from lightning_mp.strategy._prelaunch import check_before_launch
 from lightning_mp.strategy._metrics import load_metric_log, sync_metrics_over
 from lightning_mp.strategy._tied import TiedWeights, build_tied_weights, original_names, replicated_stages
 from lightning_mp.strategy._precision import install_synced_scaler, loss_scale_of
@@ -77,7 +78,12 @@ from lightning_mp.strategy._step import (
     detach_cpu,
     replay_logs,
 )
-from lightning_mp.strategy._zero import local_optimizer, shard_optimizer, sync_hyperparameters_from_local
+from lightning_mp.strategy._zero import (
+    local_optimizer,
+    shard_optimizer,
+    sync_hyperparameters_from_local,
+    track_step_for_schedulers,
+)
 from lightning_mp.topology import MeshAxis, Topology, build_device_mesh
 from lightning_mp.tp import ParallelGroups
 
@@ -101,7 +107,7 @@ class SMPStrategy(ParallelStrategy):
         pipeline_parallel_degree: number of pipeline stages (SMP ``partitions``).
         tensor_parallel_degree: ranks per tensor-parallel group; modules marked with ``set_tensor_parallelism`` /
             ``tensor_parallelism()`` are swapped for distributed ones at setup (see ``strategy/_tp.py``).
-        microbatches: microbatches per batch; every tensor's dim 0 must divide by it.
+        microbatches: microbatches per batch; every tensor's dim 0 (and every list of one value per sample) must divide by it.
         non_split_inputs: top-level batch entries (dict keys, dataclass/NamedTuple field names, tuple/list
             positions) given whole to every microbatch instead of split (SMP's ``non_split_inputs``).
         pipeline: ``"interleaved"`` (ready work in 1F1B order, 1F1B-like memory) or ``"simple"`` (GPipe).
@@ -250,6 +256,7 @@ class SMPStrategy(ParallelStrategy):
         self._grads = GradientStash()
         self._reducer: GradientReducer | None = None  # dp > 1: see [Note: overlapped gradient all-reduce]
         self._warned_eval_split = False
+        self._warned_replicated = False  # a batch in which nothing splits (see `_split`)
 
     # ---- parallel layout -------------------------------------------------------------------------------------
 
@@ -332,6 +339,21 @@ class SMPStrategy(ParallelStrategy):
         """Shard data over the data-parallel axis only: all stages of one replica read the same batches."""
         return {"num_replicas": self.topology.data_parallel_degree, "rank": self.topology.dp_rank}
 
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Under ``seed_everything(workers=True)``, seed loader workers by data-parallel rank, not global rank.
+
+        Lightning then leaves the ``worker_init_fn`` alone; every pp/tp rank of a replica draws in its workers what
+        ``ddp``'s rank ``dp_rank`` draws (one device's with one replica), so the ranks of a replica read one batch.
+        """
+        if (
+            int(os.environ.get("PL_SEED_WORKERS", 0))
+            and getattr(dataloader, "worker_init_fn", False) is None
+            and self._topology is not None
+        ):
+            dataloader.worker_init_fn = partial(pl_worker_init_function, rank=self._topology.dp_rank)  # type: ignore[attr-defined]
+        return dataloader
+
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
@@ -346,13 +368,17 @@ class SMPStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         self._launcher = make_launcher(self, self._start_method)  # see [Note: threads per process] in _launch.py
 
+    def check_before_launch(self, function: Any, args: tuple, kwargs: dict) -> None:
+        """What the layout makes certain to fail, raised in the launching process before any other process starts
+        (the launchers call this; see ``_prelaunch.py``)."""
+        check_before_launch(self.config, self.num_nodes * self.num_processes, function, args, kwargs)
+
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
         apply_thread_policy(self.num_processes)  # for launch paths without a launcher; see _launch.py
         if self.config.release_host_memory and not fix_mmap_threshold():
             rank_zero_warn("release_host_memory=True has no effect here: it needs glibc (Linux) malloc.")
-        reset_seed()
         self.set_world_ranks()
         backend = self.config.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
@@ -364,6 +390,8 @@ class SMPStrategy(ParallelStrategy):
             self.config.tensor_parallel_degree,
             self.config.placement_strategy,
         )
+        if self._topology.data_parallel_degree > 1:  # see [Note: generators at launch]
+            reset_seed()
         check_data_plane(self.config, self.root_device)  # before the first collective
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, timeout=self.config.timeout)
@@ -607,7 +635,9 @@ class SMPStrategy(ParallelStrategy):
         group = self.device_mesh.get_group(MeshAxis.DP.value)
         sharded = {id(o): shard_optimizer(o, group) for o in self.optimizers}
         for config in self.lr_scheduler_configs:
-            config.scheduler.optimizer = sharded.get(id(config.scheduler.optimizer), config.scheduler.optimizer)
+            if id(config.scheduler.optimizer) in sharded:
+                config.scheduler.optimizer = sharded[id(config.scheduler.optimizer)]
+                track_step_for_schedulers(config.scheduler.optimizer)
         self.optimizers = list(sharded.values())
 
     @override
@@ -710,7 +740,7 @@ class SMPStrategy(ParallelStrategy):
     def _split(self, batch: Any, training: bool) -> list[Any]:
         """Split on every rank (all stages hold the batch), so a bad batch fails everywhere before any message."""
         try:
-            return split_microbatches(batch, self.config.microbatches, non_split_inputs=self.config.non_split_inputs)
+            split = split_batch(batch, self.config.microbatches, non_split_inputs=self.config.non_split_inputs)
         except MicrobatchSplitError:
             if training:
                 raise
@@ -722,6 +752,15 @@ class SMPStrategy(ParallelStrategy):
                 )
                 self._warned_eval_split = True
             return [batch]
+        if not split.split_any and self.config.microbatches > 1 and not self._warned_replicated:
+            rank_zero_warn(
+                f"Nothing in this batch splits into `microbatches={self.config.microbatches}`: every microbatch gets"
+                f" the whole batch ({', '.join(split.replicated) or 'an empty batch'}), so each one computes it all."
+                " Return tensors with the batch on dim 0, or lists/tuples of one value per sample, or use"
+                " microbatches=1."
+            )
+            self._warned_replicated = True
+        return split.parts
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -912,6 +951,14 @@ class SMPStrategy(ParallelStrategy):
         strategy_registry.register(
             "smp", cls, description="lightning_mp: automatic pipeline partitioning x data parallel (SageMaker MP design)"
         )
+
+
+# [Note: generators at launch] One replica (pp x tp ranks and no more) is the peer of one device (``"auto"``),
+# which leaves the global generators as the user's script left them: the shuffle of a ``shuffle=True`` loader, then
+# every draw, equals that run's. Several replicas are the peer of ``ddp``, which re-seeds from ``PL_GLOBAL_SEED``
+# in ``setup_environment`` (and shards with ``DistributedSampler``); so do we. Every rank of a replica starts from
+# the same state either way: popen and torchrun re-run the script, fork inherits, and Lightning's spawn launcher
+# restores the parent's snapshot. Setup's extra work (first batch, trace) restores them (``generators_kept``).
 
 
 # [Note: token-weighted losses] A loss that is a mean over a data-dependent count (tokens with ``labels != -100``

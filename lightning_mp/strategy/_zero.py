@@ -14,13 +14,15 @@ keyed by parameter FQN, so nothing is consolidated on one rank and a resume can 
 from __future__ import annotations
 
 import inspect
+import weakref
+from functools import wraps
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
-__all__ = ["local_optimizer", "shard_optimizer", "sync_hyperparameters_from_local"]
+__all__ = ["local_optimizer", "shard_optimizer", "sync_hyperparameters_from_local", "track_step_for_schedulers"]
 
 
 def shard_optimizer(optimizer: Optimizer, group: dist.ProcessGroup) -> ZeroRedundancyOptimizer:
@@ -57,3 +59,25 @@ def sync_hyperparameters_from_local(optimizer: Any) -> None:
     """
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         ZeroRedundancyOptimizer._sync_param_groups(optimizer.optim.param_groups, optimizer.param_groups)
+
+
+def track_step_for_schedulers(optimizer: Optimizer) -> None:
+    """Mark ``optimizer.step`` as an LR scheduler's constructor marks its optimizer's (torch's
+    ``patch_track_step_called``), for schedulers moved onto ``optimizer`` after they were built.
+
+    Without it, the first ``scheduler.step()`` warns that ``optimizer.step()`` "has been overridden after learning
+    rate scheduler initialization", though the schedule applies (the sharded optimizer is simply another object).
+    """
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    step = type(optimizer).step
+    owner = weakref.ref(optimizer)
+
+    @wraps(step)
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        opt = owner()
+        opt._opt_called = True  # type: ignore[union-attr]
+        return step(opt, *args, **kwargs)
+
+    tracked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = tracked  # type: ignore[method-assign]
