@@ -138,7 +138,7 @@ def tiny_model(model_type: str, class_name: str, seed: int = 0):
             config = _tiny_config(model_type)
         return getattr(transformers, class_name)(config).float().eval()
     except Exception as err:  # noqa: BLE001 (any failure of a family's own code is its reason)
-        raise ValueError(f"{type(err).__name__}: {str(err).splitlines()[0][:150]}") from err
+        raise ValueError(_first_line(err)) from err
 
 
 def _relative(actual: torch.Tensor | None, expected: torch.Tensor | None, floor: float = 0.0) -> float:
@@ -178,24 +178,24 @@ def _compare(model, ref, out, ref_out, tp: TPGroup) -> tuple[float, float, str]:
 def check_family(model_type: str, class_name: str, tp: TPGroup) -> Row:
     """Build, swap, forward, backward and compare one family on this rank (every rank calls it together)."""
     row = Row(model_type, class_name, "WRONG")
+    ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     try:
         model = tiny_model(model_type, class_name)
+        ref = copy.deepcopy(model)
+        ref_out = _reference(ref, ids)
     except ValueError as err:
         row.verdict, row.reason = "skipped", str(err)
         return row
-    ref = copy.deepcopy(model)
     lightning_mp.set_tensor_parallelism(model)
     try:
         report = swap_modules(model, tp, translations=[translate_hf])
         row.swapped, row.unswapped = len(report.swapped), dict(report.skipped)
-        ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(1))
-        ref_out, out = ref(input_ids=ids, labels=ids), model(input_ids=ids, labels=ids)
-        ref_out.loss.backward()
+        out = model(input_ids=ids, labels=ids)
         out.loss.backward()
         reduce_replicated_grads(list(model.parameters()), tp.group)  # as the strategy does after backward
         row.logits_error, row.grad_error, row.worst_grad = _compare(model, ref, out, ref_out, tp)
     except Exception as err:  # noqa: BLE001 (a crash after the swap is a WRONG row with its message)
-        row.reason = f"{type(err).__name__}: {str(err).splitlines()[0][:150]}" if str(err) else type(err).__name__
+        row.reason = _first_line(err)
         return row
     errors = torch.tensor([row.logits_error, row.grad_error], dtype=torch.float64)
     dist.all_reduce(errors, op=dist.ReduceOp.MAX, group=tp.group)
@@ -207,6 +207,20 @@ def check_family(model_type: str, class_name: str, tp: TPGroup) -> Row:
     else:
         row.verdict, row.reason = "refused", "; ".join(sorted(set(row.unswapped.values())))[:200] or "no plan"
     return row
+
+
+def _reference(ref, ids: torch.Tensor):
+    """The one-process forward and backward (``ValueError`` if the tiny family does not run at all)."""
+    try:
+        out = ref(input_ids=ids, labels=ids)
+        out.loss.backward()
+    except Exception as err:  # noqa: BLE001 (the family's own code fails tiny: it is skipped, with the reason)
+        raise ValueError(f"the tiny model does not run on one process: {_first_line(err)}") from err
+    return out
+
+
+def _first_line(err: Exception) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0][:150]}" if str(err) else type(err).__name__
 
 
 def select(part: str | None, names: str | None) -> dict[str, str]:
