@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -59,3 +59,31 @@ def make_transport(ranks: list[int], plane: str = "gloo", timeout_s: float = 60.
     transport = Transport(group, torch.device("cpu"), data_plane)
     _TRANSPORTS.append(transport)
     return transport
+
+
+def assert_states_match(
+    states: Iterable[Mapping[str, torch.Tensor]],
+    expected: Mapping[str, torch.Tensor],
+    *,
+    exact: bool = False,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+) -> None:
+    """Every parameter and buffer after training equals the one-process run's.
+
+    ``states``: each rank's state dict (a pipeline stage holds its own entries; entries held by several ranks,
+    replicas or tp ranks with full tensors, must all agree). Together they must name exactly ``expected``'s
+    entries; ``exact`` compares bitwise, otherwise with ``rtol`` / ``atol``.
+    """
+    held: set[str] = set()
+    for rank, state in enumerate(states):
+        held.update(state)
+        for key, value in state.items():
+            assert key in expected, f"rank {rank} holds {key!r}, which the one-process run does not have"
+            if exact:
+                assert torch.equal(value, expected[key]), f"rank {rank}: {key} differs bitwise"
+            else:
+                torch.testing.assert_close(
+                    value, expected[key], rtol=rtol, atol=atol, msg=lambda m, k=key, r=rank: f"rank {r}: {k}: {m}"
+                )
+    assert held == set(expected), f"held by no rank: {sorted(set(expected) - held)[:5]}"

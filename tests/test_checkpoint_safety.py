@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 import lightning_mp
 from lightning_mp.strategy._checkpoint import is_complete_checkpoint, load_checkpoint
+from tests._dist import assert_states_match
 from tests.test_checkpoint_reshard import STEPS, _fit, _GPT, _GPT2, _strategy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,6 +86,7 @@ def test_killed_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
     resumed = _fit(_GPT, tmp_path / "resumed", 2, _strategy(2, 1), steps=2 * STEPS, ckpt_path=ckpt / "last")
     for whole_rank, part in zip(whole, resumed):
         assert part["losses"] == whole_rank["losses"][1:]
+    assert_states_match([r["state"] for r in resumed], {k: v for r in whole for k, v in r["state"].items()}, exact=True)
 
 
 def test_top_k_rotation_leaves_only_the_kept_folders(tmp_path):
@@ -209,6 +211,7 @@ def test_consolidate_and_load_weights_gpt(tmp_path):
     results = _fit(FromFile, tmp_path / "tp2", 2, _strategy(1, 2, load_weights=str(tmp_path / "model.safetensors")))
     for result in results:
         torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-5, atol=1e-6)
+    assert_states_match([r["state"] for r in results], reference["state"])
 
 
 def test_consolidate_hf_and_load_weights_from_an_hf_folder(tmp_path):
@@ -231,3 +234,4 @@ def test_consolidate_hf_and_load_weights_from_an_hf_folder(tmp_path):
     results = _fit(FromHF, tmp_path / "pp2", 2, _strategy(2, 1, load_weights=str(tmp_path / "hf")))
     for result in results:
         torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-5, atol=1e-6)
+    assert_states_match([r["state"] for r in results], reference["state"])

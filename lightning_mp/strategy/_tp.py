@@ -6,8 +6,9 @@ on when tp > 1) and so hold equal replicated activations. Hence:
 
 * replicated parameters (LayerNorms, row biases, position tables) get equal gradients on every tp rank
   without communication; those marked ``allreduce_grad`` (inputs that differ between tp ranks, e.g.
-  LayerNorms under sequence parallelism: "sum"; transformers' ``replicated_with_grad_allreduce``: "mean") are
-  reduced over the tp group once per optimizer step, before the data-parallel average;
+  LayerNorms under sequence parallelism, or a replicated parameter used on sharded heads, see [Note: partial
+  gradients] in ``tp/_hf.py``: "sum") are reduced over the tp group once per optimizer step, before the
+  data-parallel average;
 * data-parallel averaging runs over the replicas of one (stage, tp rank) only (the mesh's ``dp`` axis);
 * the gradient norm counts each logical parameter once: the squares of sharded gradients are summed over the
   tp group, those of replicated ones are taken once, then both are summed over the pipeline stages.

@@ -8,6 +8,10 @@ returns ``{module FQN: builder, or the reason there is none}``.
   A style we do not support leaves that module unswapped, with the reason; the rest of the plan still applies.
   Style names are the installed transformers' (``colwise_rep`` was renamed ``colwise_gather_output``; both
   are read). Attention projections are checked against ``num_attention_heads`` / ``num_key_value_heads``.
+  Plans are applied per sharded region (the parent of a column-parallel linear): a region is split whole or
+  left replicated with the reason, and its replicated parameters have their gradients summed (see
+  [Note: partial gradients]). A module whose class overrides ``forward`` (Gemma's scaled embedding) is left
+  replicated with the reason, with whatever it is tied to.
 * ``BertForMaskedLM`` / ``RobertaForMaskedLM`` (and their base models; no plan): a built-in plan with the same
   styles (q/k/v and the intermediate dense colwise, the attention and output dense rowwise, vocab-parallel
   word embeddings tied to a gathered MLM decoder).
@@ -33,10 +37,20 @@ from lightning_mp.tp._swap import Builder, load_from
 __all__ = ["SUPPORTED_STYLES", "translate_hf"]
 
 
+def _check_forward(module: nn.Module, base: type[nn.Module]) -> None:
+    """A subclass that overrides ``forward`` (Gemma's scaled embedding) would lose its maths in the swap."""
+    if not isinstance(module, base):
+        raise ValueError(f"style expects an nn.{base.__name__}, found {type(module).__name__}")
+    if type(module).forward is not base.forward:
+        raise ValueError(
+            f"{type(module).__name__} overrides {base.__name__}.forward; the distributed {base.__name__} would drop"
+            " that behaviour, so the module stays replicated"
+        )
+
+
 def _linear(**options) -> Builder:
     def build(module: nn.Module, tp: TPGroup) -> nn.Module:
-        if not isinstance(module, nn.Linear):
-            raise ValueError(f"style expects an nn.Linear, found {type(module).__name__}")
+        _check_forward(module, nn.Linear)
         new = DistributedLinear(module.in_features, module.out_features, module.bias is not None, tp=tp, **options)
         load_from(new, module)
         return new
@@ -45,16 +59,17 @@ def _linear(**options) -> Builder:
 
 
 def _embedding(module: nn.Module, tp: TPGroup) -> nn.Module:
-    if not isinstance(module, nn.Embedding):
-        raise ValueError(f"style expects an nn.Embedding, found {type(module).__name__}")
+    _check_forward(module, nn.Embedding)
     new = DistributedEmbedding(module.num_embeddings, module.embedding_dim, module.padding_idx, tp=tp)
     load_from(new, module)
     return new
 
 
 def _replicated_with_grad_allreduce(module: nn.Module, tp: TPGroup) -> nn.Module:
+    """A replicated module on sharded activations: each rank's gradient covers its shard, so they are summed
+    (transformers' ``ReplicatedWithGradAllReduce`` all-reduces with SUM), see [Note: partial gradients]."""
     for param in module.parameters():
-        mark(param, allreduce_grad="mean")
+        mark(param, allreduce_grad="sum")
     module._lmp_distributed = True
     return module
 
@@ -128,10 +143,12 @@ def _from_plan(model: nn.Module, plan: dict[str, str], check_installed: bool = T
     config = getattr(model, "config", None)
     patterns = [(re.compile("^" + re.escape(key).replace(r"\*", r"\d+") + "$"), style) for key, style in plan.items()]
     out: dict[str, Builder | str] = {}
+    styles: dict[str, str] = {}
     for fqn, _ in model.named_modules():
         style = next((style for pattern, style in patterns if pattern.match(fqn)), None)
         if style is None:
             continue
+        styles[fqn] = style
         if installed is not None and style not in installed:
             out[fqn] = f"tp_plan style {style!r} is unknown to the installed transformers"
         elif style not in _STYLES:
@@ -140,7 +157,60 @@ def _from_plan(model: nn.Module, plan: dict[str, str], check_installed: bool = T
             out[fqn] = _with_head_check(_STYLES[style], config)
         else:
             out[fqn] = _STYLES[style]
+    for region in sorted({fqn.rpartition(".")[0] for fqn, style in styles.items() if style in _SHARDING_STYLES} - {""}):
+        _plan_region(model, region, out, config)
     return out
+
+
+# [Note: partial gradients] Between a column-parallel linear that keeps its output sharded and the row-parallel
+# one that reduces it, activations are sharded: a replicated parameter used there (Qwen3's per-head q_norm,
+# Apertus' xIELU alpha_p, DiffLlama's lambdas) gets on each rank the gradient of its shard only, so its
+# gradients are SUMMED over the tp group; one used on replicated activations has the full gradient already.
+# The plan names some of them (``replicated_with_grad_allreduce``), not all: the region is the parent module of
+# the sharding linears, and every replicated parameter in it that no planned swap takes is summed. A region
+# whose plan cannot be applied whole, or whose module holds a per-head parameter the plan does not shard, is left
+# replicated with the reason (its forward would mix local and full head layouts).
+_SHARDING_STYLES = ("colwise", "packed_colwise")
+
+
+def _plan_region(model: nn.Module, region: str, out: dict[str, Builder | str], config) -> None:
+    """Refuse the planned swaps under ``region`` with the reason, or make them sum its unplanned parameters."""
+    parent = model.get_submodule(region)
+    inside = {fqn: entry for fqn, entry in out.items() if fqn.startswith(region + ".")}
+    reason = _region_refusal(parent, region, inside, out.get(region), config)
+    if reason is not None:
+        out.update(dict.fromkeys(inside, reason))
+        return
+    planned = tuple(f"{fqn[len(region) + 1 :]}." for fqn in inside)
+    partial = [p for name, p in parent.named_parameters() if not name.startswith(planned)]
+    for fqn, entry in inside.items():
+        if not isinstance(entry, str):
+            out[fqn] = _summing(entry, partial)
+
+
+def _region_refusal(parent: nn.Module, region: str, inside: dict, own_entry, config) -> str | None:
+    where = f"sharded region {region!r} left replicated"
+    refused = {fqn: entry for fqn, entry in inside.items() if isinstance(entry, str)}
+    if isinstance(own_entry, str):
+        return f"{where}: its own plan entry: {own_entry}"
+    if refused:
+        fqn, why = next(iter(refused.items()))
+        return f"{where}: {fqn} cannot be swapped ({why})"
+    heads = {getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)} - {None}
+    for name, param in parent.named_parameters(recurse=False):
+        if param.dim() >= 1 and param.size(0) in heads and param.size(0) > 1:
+            return f"{where}: parameter {name!r} {tuple(param.shape)} is per head and the plan does not shard it"
+    return None
+
+
+def _summing(build: Builder, partial: list[nn.Parameter]) -> Builder:
+    def build_and_mark(module: nn.Module, tp: TPGroup) -> nn.Module:
+        new = build(module, tp)
+        for param in partial:
+            mark(param, allreduce_grad="sum")
+        return new
+
+    return build_and_mark
 
 
 def _with_head_check(build: Builder, config) -> Builder:
