@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_mp import SMPConfig, SMPStrategy, Topology
-from lightning_mp.comm._transport import _unpack, pack
+from lightning_mp.comm._transport import _unpack, gather, pack
 from lightning_mp.pipeline import MicrobatchSplitError, merge_microbatches, split_microbatches
 
 
@@ -157,12 +157,7 @@ def test_wire_format_round_trip_keeps_structure_dtype_and_flags():
     }
     packed = pack(obj)
     data = torch.empty(packed.data_nbytes, dtype=torch.uint8)
-    offset = 0
-    for tensor in packed.tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if nbytes:
-            data[offset : offset + nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
-        offset += -(-nbytes // 16) * 16
+    gather(packed, data)
     message = _unpack(packed.payload, data, torch.device("cpu"))
     out = message.obj
     assert out["float"] is out["again"], "one tensor sent twice arrives as one tensor"

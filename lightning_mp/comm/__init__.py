@@ -1,6 +1,6 @@
 """D2D communication: nested structures of tensors between ranks, and autograd across ranks."""
 
-from lightning_mp.comm._autograd import connect_remote_outputs
+from lightning_mp.comm._autograd import connect_remote_outputs, ragged_like
 from lightning_mp.comm._planes import (
     DataPlaneError,
     DataPlaneKind,
@@ -27,4 +27,5 @@ __all__ = [
     "connect_remote_outputs",
     "make_data_plane",
     "pack",
+    "ragged_like",
 ]

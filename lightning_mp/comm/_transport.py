@@ -12,7 +12,9 @@ rest as a pickle. On the wire one message is one to three frames on one (src, ds
 Header and pickle form the *control plane* (a CPU gloo group); the data frame goes over a *data plane* (gloo,
 staged through pinned host memory for CUDA tensors, or NCCL): [Note: two planes] in ``_planes.py``.
 
-The pickle holds the skeleton with tensor placeholders and per-tensor (shape, dtype, requires_grad). Most
+The pickle holds the skeleton with tensor placeholders, each tensor's recipe and ``requires_grad`` flag, and the
+layout of the data frame: every tensor kind torch has travels as storage spans plus a recipe ([Note: tensor kinds
+on the wire] in ``_kinds.py``). Most
 messages (requests, replies, gradients) have a small pickle, so they take one frame plus one for the data, or
 one frame in all where the data rides in the header ([Note: one frame per message]).
 
@@ -27,9 +29,9 @@ of ``_engine.py``, a 4 KiB request and its reply took about half the voluntary c
 fraction of the time (``benchmarks/engine_latency.py``, against the two-frame layout, alternating runs).
 
 Frames of one message are sent under a per-destination lock, so threads may send concurrently. A tensor that
-appears twice in a message arrives as one tensor. Received tensors are fresh leaves (own storage) with the
-dtype and shape they left with; the ``requires_grad`` flag each left with is returned beside them
-(:class:`Message`), and the receiver decides whether to set it.
+appears twice in a message arrives as one tensor; tensors sharing a storage arrive sharing one. Received tensors
+have no autograd history and the kind, dtype, shape and strides they left with; the ``requires_grad`` flag each
+left with is returned beside them (:class:`Message`), and the receiver decides whether to set it.
 """
 
 from __future__ import annotations
@@ -46,26 +48,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_mp.comm._kinds import Span, TensorTable, UnsupportedTensorError, padded, rebuild_tensors
+
 __all__ = ["Message", "Packed", "Transport", "gather", "pack"]
 
-_ALIGN = 16
 _HEADER_NBYTES = 1 << 20  # the largest header frame; a message sends only the bytes it uses
 _LENGTHS_NBYTES = 32  # int64 pickle_nbytes, data_nbytes, seq, inline (0 or 1)
-
-
-@dataclass(frozen=True)
-class _TensorMeta:
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    requires_grad: bool
-    offset: int
-    nbytes: int
 
 
 class _Pickler(pickle.Pickler):
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.tensors: list[torch.Tensor] = []
+        self.table = TensorTable()
+        self.tensors: list[torch.Tensor] = []  # the message's own tensors, in placeholder order
+        self.indices: list[int] = []  # each one's index in the table
         self._index: dict[int, int] = {}
 
     def persistent_id(self, obj: Any) -> int | None:
@@ -73,6 +69,7 @@ class _Pickler(pickle.Pickler):
             return None
         key = id(obj)
         if key not in self._index:
+            self.indices.append(self.table.add(obj))
             self._index[key] = len(self.tensors)
             self.tensors.append(obj)
         return self._index[key]
@@ -87,10 +84,6 @@ class _Unpickler(pickle.Unpickler):
         return self._tensors[pid]
 
 
-def _padded(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
-
-
 @dataclass(frozen=True)
 class Packed:
     """A message ready for the wire.
@@ -98,11 +91,15 @@ class Packed:
     Attributes:
         payload: the pickle frame.
         tensors: every distinct tensor of the message, in placeholder order (the originals, not copies).
+        sources: the bytes of the data frame, one uint8 tensor per span ([Note: tensor kinds on the wire]).
+        spans: where each source goes in the data frame.
         data_nbytes: size of the data frame in bytes.
     """
 
     payload: bytes
     tensors: list[torch.Tensor]
+    sources: list[torch.Tensor]
+    spans: list[Span]
     data_nbytes: int
 
 
@@ -111,76 +108,70 @@ class Message:
     """A received message.
 
     Attributes:
-        obj: the rebuilt object; its tensors are fresh leaves with ``requires_grad=False``.
+        obj: the rebuilt object; its tensors are fresh (no autograd history) with ``requires_grad=False``.
         tensors: those tensors, in the sender's placeholder order (same order as ``Packed.tensors``).
         requires_grad: the ``requires_grad`` flag each tensor left with. The receiver decides whether to set it.
         arrived_s: ``time.perf_counter()`` when the message's first frame had arrived (0.0 if not received).
+        skeleton: the pickle of ``obj`` with placeholders for ``tensors`` (see :meth:`with_tensors`).
     """
 
     obj: Any
     tensors: list[torch.Tensor]
     requires_grad: list[bool]
     arrived_s: float = 0.0
+    skeleton: bytes = b""
+
+    def with_tensors(self, tensors: list[torch.Tensor]) -> Message:
+        """The message rebuilt around other tensors in the places of ``self.tensors`` (new Python objects)."""
+        obj = _Unpickler(io.BytesIO(self.skeleton), tensors).load()
+        return dataclasses.replace(self, obj=obj, tensors=tensors)
 
 
 def pack(obj: Any) -> Packed:
-    """Pickle ``obj`` with every tensor replaced by a placeholder.
+    """Pickle ``obj`` with every tensor replaced by a placeholder; lay out the tensors' bytes.
 
     Raises:
-        TypeError: for sparse or quantized tensors, or an object pickle cannot serialise.
+        TypeError: for a tensor kind that has no wire format ([Note: tensor kinds on the wire]), or an object pickle
+            cannot serialise.
     """
     buffer = io.BytesIO()
     pickler = _Pickler(buffer)
     try:
         pickler.dump(obj)
+        table = pickler.table
+        data_nbytes = table.close()
+        flags = [tensor.requires_grad for tensor in pickler.tensors]
+        payload = pickle.dumps(
+            (buffer.getvalue(), table.recipes, table.spans, pickler.indices, flags), protocol=pickle.HIGHEST_PROTOCOL
+        )
+    except UnsupportedTensorError:
+        raise
     except (pickle.PicklingError, TypeError, AttributeError) as err:
         raise TypeError(
             f"Cannot send {type(obj).__name__} between pipeline stages: {err}. Values that cross a stage"
             " boundary must be tensors or picklable Python objects (tuples, lists, dicts, dataclasses, ...)."
         ) from err
-    metas, offset = [], 0
-    for tensor in pickler.tensors:
-        if tensor.layout != torch.strided or tensor.is_quantized:
-            raise TypeError(f"Cannot send a {tensor.layout} tensor between pipeline stages; send a dense tensor.")
-        nbytes = tensor.numel() * tensor.element_size()
-        metas.append(_TensorMeta(tuple(tensor.shape), tensor.dtype, tensor.requires_grad, offset, nbytes))
-        offset += _padded(nbytes)
-    payload = pickle.dumps((buffer.getvalue(), metas), protocol=pickle.HIGHEST_PROTOCOL)
-    return Packed(payload, pickler.tensors, offset)
+    return Packed(payload, pickler.tensors, table.sources, table.spans, data_nbytes)
 
 
 def _unpack(payload: bytes, data: torch.Tensor | None, device: torch.device) -> Message:
-    skeleton, metas = pickle.loads(payload)
-    tensors = []
-    for meta in metas:
-        if meta.nbytes == 0:
-            tensor = torch.empty(meta.shape, dtype=meta.dtype, device=device)
-        else:
-            assert data is not None
-            view = data[meta.offset : meta.offset + meta.nbytes].view(meta.dtype).view(meta.shape)
-            # A copy with its own storage: a view into the wire buffer could not be modified in place by autograd.
-            # From a pinned staging buffer the copy to the GPU is asynchronous on the current stream (the caching
-            # host allocator keeps the buffer until the copy is done).
-            tensor = view.clone() if data.device == device else view.to(device, non_blocking=True)
-        tensors.append(tensor)
+    skeleton, recipes, spans, indices, flags = pickle.loads(payload)
+    every = rebuild_tensors(recipes, spans, data, device)
+    tensors = [every[i] for i in indices]
     obj = _Unpickler(io.BytesIO(skeleton), tensors).load()
-    return Message(obj, tensors, [meta.requires_grad for meta in metas])
+    return Message(obj, tensors, flags, skeleton=skeleton)
 
 
 def gather(packed: Packed, buffer: torch.Tensor) -> bool:
-    """Copy every tensor's bytes of ``packed`` into ``buffer`` (uint8, ``packed.data_nbytes``), 16-byte aligned.
+    """Copy every span of ``packed`` into ``buffer`` (uint8, ``packed.data_nbytes``), each 16-byte aligned.
 
     Copies are issued on the current stream, asynchronously where the devices allow (GPU to pinned host memory,
     GPU to GPU). Returns whether any copy read a CUDA tensor (the caller then orders or awaits the stream).
     """
-    offset, from_cuda = 0, False
-    for tensor in packed.tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if nbytes:
-            flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-            from_cuda = from_cuda or flat.is_cuda
-            buffer[offset : offset + nbytes].copy_(flat, non_blocking=True)
-        offset += _padded(nbytes)
+    from_cuda = False
+    for source, span in zip(packed.sources, packed.spans):
+        from_cuda = from_cuda or source.is_cuda
+        buffer[span.offset : span.offset + span.nbytes].copy_(source, non_blocking=True)
     return from_cuda
 
 
@@ -237,7 +228,7 @@ class Transport:
         packed = message if isinstance(message, Packed) else pack(message)
         payload_nbytes = len(packed.payload)
         inline = _LENGTHS_NBYTES + payload_nbytes <= _HEADER_NBYTES
-        data_at = _padded(_LENGTHS_NBYTES + payload_nbytes)
+        data_at = padded(_LENGTHS_NBYTES + payload_nbytes)
         inline_data = inline and self._inline_data and packed.data_nbytes and data_at + packed.data_nbytes <= _HEADER_NBYTES
         if inline_data:  # [Note: one frame per message]
             header = bytearray(data_at + packed.data_nbytes)
@@ -283,7 +274,7 @@ class Transport:
             payload = pickled.numpy().tobytes()
         data = None
         if inline_data:  # [Note: one frame per message]; _unpack copies the tensors out of the reused buffer
-            data_at = _padded(_LENGTHS_NBYTES + payload_nbytes)
+            data_at = padded(_LENGTHS_NBYTES + payload_nbytes)
             data = header[data_at : data_at + data_nbytes]
         elif data_nbytes:
             # [Note: two planes] the data receive is posted only now, with the byte count from the header.

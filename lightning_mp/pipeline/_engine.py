@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_mp.comm import Message, Transport, connect_remote_outputs, pack
+from lightning_mp.comm import Message, Transport, connect_remote_outputs, pack, ragged_like
 from lightning_mp.pipeline._grads import OrderedGradients
 from lightning_mp.pipeline._handles import (
     RemoteValue,
@@ -464,7 +464,7 @@ class PipelineEngine:
         outputs = [t for t, rg in zip(reply.tensors, reply.requires_grad) if rg and _differentiable(t)]
         if grad_enabled and outputs:
             handle = _RemoteBackward(session, stage, call_id, task.microbatch, _label(fqn, span))
-            connect_remote_outputs(handle, grad_inputs, outputs)
+            reply = _connected(reply, outputs, connect_remote_outputs(handle, grad_inputs, outputs))
         return reply.obj.body
 
 
@@ -575,6 +575,14 @@ class _CallHooks:
 def _received_leaves(message: Message) -> list[torch.Tensor]:
     """The received tensors that the sender's graph needs gradients for, made leaves of this stage's graph."""
     return [t.requires_grad_(True) for t, requires_grad in zip(message.tensors, message.requires_grad) if requires_grad]
+
+
+def _connected(message: Message, outputs: list[torch.Tensor], connected: list[torch.Tensor]) -> Message:
+    """``message`` holding the ``connected`` tensors in place of its ``outputs`` (rebuilt if any was replaced)."""
+    if all(a is b for a, b in zip(outputs, connected)):
+        return message
+    replaced = {id(a): b for a, b in zip(outputs, connected)}
+    return message.with_tensors([replaced.get(id(t), t) for t in message.tensors])
 
 
 def _differentiable(tensor: torch.Tensor) -> bool:
@@ -1232,7 +1240,7 @@ class PipelineSession:
         fqn, grad_outputs = envelope.body
         with self._lock:
             saved = self._saved.pop(envelope.call_id)
-        pairs = [(out, grad) for out, grad in zip(saved.outputs, grad_outputs) if grad is not None]
+        pairs = [(out, ragged_like(grad, out)) for out, grad in zip(saved.outputs, grad_outputs) if grad is not None]
         if pairs:
             with torch.autograd.set_multithreading_enabled(False):  # [Note: backward on the calling thread]
                 torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
@@ -1320,7 +1328,7 @@ class PipelineSession:
                 saved.backed = True
                 count.pending -= 1
             retain = count.foreign or count.pending > 0
-        pairs = [(out, grad) for out, grad in zip(saved.outputs, grad_outputs) if grad is not None]
+        pairs = [(out, ragged_like(grad, out)) for out, grad in zip(saved.outputs, grad_outputs) if grad is not None]
         if pairs:
             # [Note: backward of fetches] Fetches of one microbatch can share a part of this stage's graph (a value
             # fetched midway through a chain, then the chain's end; two parts of one output fetched apart), so the
@@ -1429,7 +1437,7 @@ class PipelineSession:
             call = _FetchBackward(self, handle._rv_stage, fetch_id, handle._rv_microbatch, label,
                                   [(call_id, len(tensors)) for call_id, tensors in upstream.items()])
             with torch.enable_grad():  # the call ran with grad: connect even if touched under no_grad
-                connect_remote_outputs(call, grad_inputs, outputs)
+                reply = _connected(reply, outputs, connect_remote_outputs(call, grad_inputs, outputs))
         return reply.obj.body
 
     def _finish_microbatch(self, index: int, output: Any) -> Any:
