@@ -337,12 +337,25 @@ class _CostModel:
         self.memory_weight = memory_weight
         self.optimizer_state_factor = optimizer_state_factor
         records = trace.modules
+        # [Note: aliased modules] A module object registered under several FQNs (``self.lin1 = self.lin0``) is one
+        # placement unit: its hooks fire under its first FQN only, so its other names (and their submodules) would
+        # look like never-called children of their parents and be pulled into the parents' residuals (and, through
+        # the parameters they share, merge those parents into one node). They are left out of the tree here and
+        # travel with the first name instead.
+        self.aliases: dict[str, list[str]] = {}  # first FQN -> its other FQNs
+        for group in trace.alias_groups:
+            self.aliases[group[0]] = group[1:]
+        other_names = {fqn for names in self.aliases.values() for fqn in names}
+        self.children = {fqn: [c for c in record.children if c not in other_names] for fqn, record in records.items()}
         self.subtree: dict[str, list[str]] = {}
         self.first_call: dict[str, int | None] = {}  # min over the subtree
         self.flops: dict[str, float] = {}  # inclusive, of the subtree
         self.bytes: dict[str, int] = {}  # of the subtree
         for fqn in reversed(records):  # children before parents
-            self._summarise(fqn)
+            if fqn in other_names:  # never called under this name, holds nothing of its own (see _module_records)
+                self.subtree[fqn], self.first_call[fqn], self.flops[fqn], self.bytes[fqn] = [], None, 0.0, 0
+            else:
+                self._summarise(fqn)
         total = trace.total_time_s if trace.timed else trace.total_flops
         self.flops[_ROOT] = max(float(total), self.flops[_ROOT])
         self.first_call[_ROOT] = -1  # the root runs the step: treat it as called first
@@ -364,8 +377,8 @@ class _CostModel:
 
     def _summarise(self, fqn: str) -> None:
         record = self.trace.modules[fqn]
-        children = record.children
-        self.subtree[fqn] = [fqn] + [m for child in children for m in self.subtree[child]]
+        children = self.children[fqn]
+        self.subtree[fqn] = [fqn, *self.aliases.get(fqn, ())] + [m for child in children for m in self.subtree[child]]
         calls = [self.first_call[c] for c in children if self.first_call[c] is not None]
         if record.first_call is not None:
             calls.append(record.first_call)
@@ -379,7 +392,7 @@ class _CostModel:
         """Bytes a module itself needs in training: its parameters x the optimizer-state factor (weights,
         gradients, optimizer states), plus, for a leaf, the outputs it leaves alive for backward."""
         record = self.trace.modules[fqn]
-        activations = record.activation_bytes if not record.children else 0
+        activations = record.activation_bytes if not self.children[fqn] else 0
         return record.param_bytes * self.optimizer_state_factor + activations
 
     def cost(self, flops: float, num_bytes: float) -> float:
@@ -388,8 +401,7 @@ class _CostModel:
         return (1.0 - self.memory_weight) * flops_share + self.memory_weight * bytes_share
 
     def self_flops(self, fqn: str) -> float:
-        children = self.trace.modules[fqn].children
-        return max(0.0, self.flops[fqn] - sum(self.flops[c] for c in children))
+        return max(0.0, self.flops[fqn] - sum(self.flops[c] for c in self.children[fqn]))
 
     def own_cost(self, fqn: str) -> float:
         """Cost of one module alone: self FLOPs and own bytes."""
@@ -400,8 +412,7 @@ class _CostModel:
         return self._called_children[fqn]
 
     def _order_called_children(self, fqn: str) -> list[str]:
-        children = self.trace.modules[fqn].children
-        called = [c for c in children if self.first_call[c] is not None]
+        called = [c for c in self.children[fqn] if self.first_call[c] is not None]
         return sorted(called, key=lambda c: self.first_call[c])  # stable: definition order
 
     def expandable(self, item: _Item) -> bool:
@@ -430,8 +441,8 @@ class _CostModel:
 
     def _describe(self, fqn: str, is_residual: bool) -> tuple[float, list[str], frozenset[int]]:
         if is_residual:
-            uncalled = [c for c in self.trace.modules[fqn].children if self.first_call[c] is None]
-            members = [fqn] + [m for child in uncalled for m in self.subtree[child]]
+            uncalled = [c for c in self.children[fqn] if self.first_call[c] is None]
+            members = [fqn, *self.aliases.get(fqn, ())] + [m for child in uncalled for m in self.subtree[child]]
             num_bytes = self.own_memory(fqn) + sum(self.bytes[c] for c in uncalled)
             cost = self.cost(self.self_flops(fqn), num_bytes)
         else:
