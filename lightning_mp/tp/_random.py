@@ -12,7 +12,9 @@ its output: an attention, an MLP), a random op whose tensor is sharded draws the
 stream, and keeps this rank's slice. So a model with dropout trains as on one process (the same masks, and the
 same stream afterwards), at any tp degree. Megatron takes the other way: its ``CudaRNGStatesTracker``
 (``megatron/core/tensor_parallel/random.py``) gives each tp rank an independent "model-parallel" stream inside
-its regions, which draws only the local shard (``1 / tp`` of the numbers) but cannot equal one process.
+its regions, which draws only the local shard (``1 / tp`` of the numbers) but cannot equal one process; it is
+the option ``tp_random_streams="per_rank"`` here (each rank's stream seeded from one number of the call's stream
+and the tp rank), for layers where the full-size draw costs too much (``benchmarks/tp_dropout.py``).
 
 Which tensors are sharded is decided from the layout the region's children give (the same rule on every rank):
 
