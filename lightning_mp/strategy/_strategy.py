@@ -464,9 +464,9 @@ class SMPStrategy(ParallelStrategy):
         self._build_reducer()
         if self.topology.pipeline_parallel_degree * self.topology.tensor_parallel_degree > 1:
             sync_metrics_over(self.lightning_module, self.device_mesh.get_group(MeshAxis.DP.value))
-        if self.topology.pipeline_parallel_degree > 1:  # Lightning's summary counts the whole model
+        if self.topology.pipeline_parallel_degree * self.topology.tensor_parallel_degree > 1:  # the whole model, full sizes
             counts = gather_parameter_counts(
-                self.lightning_module, self.device_mesh.get_group(MeshAxis.PP.value), skip=set(self._param_names)
+                self.lightning_module, self.device_mesh.get_group(MeshAxis.PP.value), names=self._param_names
             )
             summarize_whole_model(trainer.callbacks, counts)
         if self.topology.data_parallel_degree == 1:
