@@ -111,6 +111,18 @@ def test_consolidate_writes_files_as_torch_save_does_and_quietly(tmp_path):
             assert (tmp_path / name).stat().st_mode == (tmp_path / "plain.pt").stat().st_mode, name
 
 
+def test_a_wrong_strategy_value_on_the_command_line_is_reported_alone():
+    result = _run(
+        ["fit", "--config", "configs/gpt_pp2.yaml", "--trainer.strategy.init_args.partition", '{"h.0": 5}'], timeout=120
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Union" not in result.stderr and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: trainer.strategy (lightning_mp.SMPStrategy): Stage 5 for 'h.0' is out of range: stages are 0..1 for"
+        " `pipeline_parallel_degree=2`."
+    )
+
+
 def test_strategy_by_name_parses():
     result = _run(
         ["fit", "--config", "configs/gpt_single.yaml", "--trainer.strategy", "smp", "--print_config"], timeout=120
