@@ -22,6 +22,14 @@ import lightning_mp
 STEPS, BATCH = 3, 8
 
 
+@pytest.fixture(autouse=True)
+def _seed_environment_restored(monkeypatch):
+    """``seed_everything`` writes ``PL_GLOBAL_SEED``/``PL_SEED_WORKERS`` into this process's environment; the tests
+    that run after these must not inherit them."""
+    for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
+        monkeypatch.delenv(name, raising=False)
+
+
 class Draws(Dataset):
     """Sample ``i``: ``(i, torch draw, numpy draw, random draw)``; in a worker, the draws show its seeding."""
 
