@@ -13,6 +13,7 @@ the strategy.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from functools import partial
@@ -46,6 +47,7 @@ def main(args: list[str] | None = None) -> None:
     )
 
 
+_PLUGINS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")  # built later
 _DESCRIPTION = (
     "lightning-mp: Lightning's CLI with the 'smp' strategy (lightning_mp.SMPStrategy) registered. Subcommands: fit,"
     " validate, test, predict (below), and consolidate CKPT_DIR OUT [--hf], which writes a lightning_mp checkpoint"
@@ -71,6 +73,26 @@ class SMPCLI(LightningCLI):
         if config.get("default_root_dir") is not None and config.get("logger") in (None, True):
             _one_folder_per_run(trainer)
         return trainer
+
+    def before_instantiate_classes(self) -> None:
+        """Check the ``SMPStrategy`` arguments before anything is built, so that a bad value (a stage out of range in
+        ``--trainer.strategy.init_args.partition``) is reported alone, as an argument error; jsonargparse would
+        report it inside the errors of every type ``Trainer(strategy=...)`` accepts."""
+        config = self.config.get(str(self.subcommand)) if self.subcommand else self.config
+        strategy = config.get("trainer", {}).get("strategy") if config is not None else None
+        class_path = strategy.get("class_path") if hasattr(strategy, "get") else None
+        if class_path is None:
+            return
+        module_name, _, name = str(class_path).rpartition(".")
+        strategy_class = getattr(importlib.import_module(module_name), name, None)
+        if not (isinstance(strategy_class, type) and issubclass(strategy_class, lightning_mp.SMPStrategy)):
+            return
+        init_args = strategy.get("init_args")
+        arguments = {k: v for k, v in vars(init_args).items() if k not in _PLUGINS} if init_args is not None else {}
+        try:
+            strategy_class(**arguments)
+        except (ValueError, TypeError) as err:
+            self._parser(self.subcommand).error(f"trainer.strategy ({class_path}): {err}")
 
     def _add_instantiators(self) -> None:
         super()._add_instantiators()

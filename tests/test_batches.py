@@ -22,6 +22,14 @@ import lightning_mp
 STEPS, BATCH = 3, 8
 
 
+@pytest.fixture(autouse=True)
+def _seed_environment_restored(monkeypatch):
+    """``seed_everything`` writes ``PL_GLOBAL_SEED``/``PL_SEED_WORKERS`` into this process's environment; the tests
+    that run after these must not inherit them."""
+    for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
+        monkeypatch.delenv(name, raising=False)
+
+
 class Draws(Dataset):
     """Sample ``i``: ``(i, torch draw, numpy draw, random draw)``; in a worker, the draws show its seeding."""
 
@@ -101,9 +109,9 @@ def _assert_same_steps(got: list[dict], expected: list[dict]) -> None:
     ids=["one-device", "pp2", "pp2-seed-workers", "dp2-seed-workers"],
 )
 def test_shuffled_batches_and_generators_match_the_peer_strategy(tmp_path, pp, dp, workers):
-    peer = "auto" if dp == 1 else DDPStrategy(start_method="spawn")
+    peer = "auto" if dp == 1 else DDPStrategy(start_method="fork")
     expected = _fit(str(tmp_path / "peer"), peer, dp, workers)
-    strategy = lightning_mp.SMPStrategy(pipeline_parallel_degree=pp, microbatches=2, start_method="spawn")
+    strategy = lightning_mp.SMPStrategy(pipeline_parallel_degree=pp, microbatches=2, start_method="fork")
     got = _fit(str(tmp_path / "smp"), strategy, pp * dp, workers)
     for rank, steps in enumerate(got):  # global rank = dp_rank * pp + pp_rank
         _assert_same_steps(steps, expected[rank // pp])
@@ -161,7 +169,7 @@ def _fit_texts(out_file: str, strategy) -> dict:
 
 def test_a_batch_of_strings_splits_into_microbatches_as_on_one_device(tmp_path):
     expected = _fit_texts(str(tmp_path / "auto.pt"), "auto")
-    got = _fit_texts(str(tmp_path / "smp.pt"), lightning_mp.SMPStrategy(microbatches=2, start_method="spawn"))
+    got = _fit_texts(str(tmp_path / "smp.pt"), lightning_mp.SMPStrategy(microbatches=2, start_method="fork"))
     torch.testing.assert_close(got["losses"], expected["losses"], rtol=1e-5, atol=1e-6)
     assert sorted(got["params"]) == sorted(expected["params"])
     for name, value in got["params"].items():

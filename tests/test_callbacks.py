@@ -10,7 +10,8 @@ import pytest
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_mp.callbacks import PipelineTimeline, RankTimeline, chrome_trace, gpipe_bubble, measure_bubble
-from lightning_mp.callbacks import summarize_stages
+from lightning_mp.callbacks import StageSummary, summarize_stages
+from lightning_mp.callbacks._partition_summary import _bar_chart, _table, common_prefix, compact_names
 from lightning_mp.callbacks._pipeline_timeline import gantt_chart
 from lightning_mp.pipeline._timeline import TimelineEvent
 from lightning_mp.partition import plan, trace
@@ -28,6 +29,28 @@ def test_stage_summaries_add_up_to_the_model():
     assert sum(s.activation_bytes for s in stages) == sum(r.activation_bytes for r in leaves)
     assert all(s.flops > 0 for s in stages), "each stage holds transformer blocks"
     assert abs(sum(s.cost_share for s in stages) - 1) < 1e-9
+
+
+def test_summary_of_a_32_layer_hf_model_names_modules_short_and_draws_every_quantity(tmp_path):
+    """Four stages of a GPT-2-like tree: the shared ``model.transformer.`` prefix is left out, runs of blocks are
+    folded, a module outside the prefix keeps its whole name; the chart draws parameters, compute, activations."""
+    prefix = "model.transformer."
+    blocks = [f"{prefix}h.{i}" for i in range(32)]
+    modules = [[f"{prefix}wte", f"{prefix}wpe", *blocks[:8]], blocks[8:16], blocks[16:24],
+               [*blocks[24:], f"{prefix}ln_f", "model.lm_head"]]
+    stages = [StageSummary(k, names, 1000 * (k + 1), 2e9 * (k + 1), 2**20 * (k + 1), (k + 1) / 10)
+              for k, names in enumerate(modules)]
+    table = _table(stages)
+    assert common_prefix([m for names in modules for m in names]) == prefix
+    rows = table.splitlines()[2:]
+    assert [row.split("|")[1].strip() for row in rows] == [
+        "wte, wpe, h.0-7", "h.8-15", "h.16-23", "h.24-31, ln_f, model.lm_head"
+    ]
+    assert f"({prefix} omitted)" in table.splitlines()[0]
+    assert [row.split("|")[2].strip() for row in rows] == ["1,000", "2,000", "3,000", "4,000"]
+    assert compact_names(["a.0", "a.1", "b", "a.2", "a.4"]) == ["a.0-1", "b", "a.2", "a.4"]
+    _bar_chart(stages, str(tmp_path / "partition.png"))
+    assert (tmp_path / "partition.png").stat().st_size > 10_000
 
 
 # ---- PipelineTimeline: the pure parts, on hand-made events -------------------------------------------------------

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tests.test_cli import _run
+from tests.test_cli import _run, warnings_of_ours
 
 
 @pytest.mark.parametrize("config", ["gpt_tp2", "llama_tp2"])
@@ -28,6 +28,7 @@ def test_tp_config_short_fit(tmp_path, config):
         ]
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert not warnings_of_ours(result.stdout + result.stderr), warnings_of_ours(result.stdout + result.stderr)
     (metrics,) = list(tmp_path.rglob("metrics.csv"))
     rows = list(csv.DictReader(metrics.open()))
     train = [float(r["train_loss"]) for r in rows if r.get("train_loss")]

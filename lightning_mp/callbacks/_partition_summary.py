@@ -70,9 +70,11 @@ def summarize_stages(plan: PartitionPlan, trace: ModelTrace) -> list[StageSummar
 class PartitionSummary(Callback):
     """Explain the partition at the start of fit/validate/test/predict, on global rank 0.
 
-    Prints a table per stage (modules, parameters, FLOPs, activation bytes, cost share), and writes to the
-    logger's directory (``trainer.log_dir``, else ``default_root_dir``): ``{filename}.png``, a bar chart of the
-    stage costs, and ``{filename}.json``, the plan, which ``SMPStrategy(partition_plan=...)`` can reuse.
+    Prints a table per stage (modules, parameters, FLOPs, activation bytes, cost share; module names without the
+    prefix they all share, runs of numbered blocks folded: ``h.0-7``), and writes to the logger's directory
+    (``trainer.log_dir``, else ``default_root_dir``): ``{filename}.png``, bar charts of parameters, forward FLOPs,
+    activation memory and cost share per stage above the list of each stage's modules, and ``{filename}.json``, the
+    plan, which ``SMPStrategy(partition_plan=...)`` can reuse.
 
     Args:
         filename: stem of the written files.
@@ -124,13 +126,14 @@ class PartitionSummary(Callback):
 
 
 def _table(stages: list[StageSummary]) -> str:
+    prefix = common_prefix([m for s in stages for m in s.modules])
     replicated = any(s.replicas for s in stages)
-    header = ("stage", "modules", "parameters", "GFLOPs", "activations MiB", "cost")
-    header += ("tied replicas",) if replicated else ()
+    header = ("stage", f"modules ({prefix} omitted)" if prefix else "modules", "parameters", "GFLOPs", "activations MiB")
+    header += ("cost",) + (("tied replicas",) if replicated else ())
     rows = [
         (
             str(s.stage),
-            _short(s.modules),
+            _short(compact_names(s.modules, prefix)),
             f"{s.num_params:,}" + (f" + {s.replica_params:,} replica" if s.replica_params else ""),
             f"{s.flops / 1e9:.3f}",
             f"{s.activation_bytes / 2**20:.2f}",
@@ -145,28 +148,97 @@ def _table(stages: list[StageSummary]) -> str:
     return "\n".join(lines)
 
 
+def common_prefix(names: list[str], share: float = 0.8) -> str:
+    """The longest dotted prefix (``"model.transformer."``) that at least ``share`` of the module names start with
+    and go on past with a named part (not a block number); ``""`` when there is none. Names outside it
+    (``model.lm_head``) are shown whole."""
+    names = [name for name in names if name != "<root>"]
+    best = ""
+    for name in names:
+        parts = name.split(".")
+        for end in range(len(parts) - 1, 0, -1):
+            prefix = ".".join(parts[:end]) + "."
+            if len(prefix) <= len(best):
+                break
+            inside = [n[len(prefix) :] for n in names if n.startswith(prefix)]
+            if any(rest.split(".")[0].isdigit() for rest in inside):  # keep `h.0`, not a bare `0`
+                continue
+            if len(inside) >= max(2, share * len(names)):
+                best = prefix
+                break
+    return best
+
+
+def compact_names(modules: list[str], prefix: str = "") -> list[str]:
+    """``modules`` without ``prefix``, runs of numbered siblings folded: ``h.0, h.1, h.2, ln_f`` -> ``h.0-2, ln_f``."""
+    folded: list[tuple[str, int, int] | str] = []
+    for name in modules:
+        name = name[len(prefix) :] if prefix and name.startswith(prefix) else name
+        parent, _, last = name.rpartition(".")
+        previous = folded[-1] if folded else None
+        if last.isdigit() and isinstance(previous, tuple) and previous[0] == parent and previous[2] + 1 == int(last):
+            folded[-1] = (parent, previous[1], int(last))
+        elif last.isdigit():
+            folded.append((parent, int(last), int(last)))
+        else:
+            folded.append(name)
+    return [
+        item if isinstance(item, str) else f"{item[0] + '.' if item[0] else ''}{item[1]}" + (f"-{item[2]}" if item[2] > item[1] else "")
+        for item in folded
+    ]
+
+
 def _short(modules: list[str], limit: int = 60) -> str:
     text = ", ".join(modules)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+_PANELS = (  # (title, value of a stage); one bar chart each
+    ("parameters (M)", lambda s: (s.num_params + s.replica_params) / 1e6),
+    ("forward GFLOPs / microbatch", lambda s: s.flops / 1e9),
+    ("activations MiB / microbatch", lambda s: s.activation_bytes / 2**20),
+    ("share of cost (%)", lambda s: 100 * s.cost_share),
+)
+
+
 def _bar_chart(stages: list[StageSummary], path: str) -> None:
+    """Per stage: parameters, compute, activation memory and cost share as bars; below, the modules of each stage."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(max(4.0, 1.2 * len(stages) + 2), 3.5))
-    shares = [100 * s.cost_share for s in stages]
-    axes.bar([str(s.stage) for s in stages], shares, color="#4878a8")
-    mean = 100 / len(stages)
-    axes.axhline(mean, color="#c44e52", linestyle="--", linewidth=1, label=f"perfect balance ({mean:.1f}%)")
-    for index, share in enumerate(shares):
-        axes.text(index, share, f"{share:.1f}%", ha="center", va="bottom", fontsize=8)
-    axes.set_xlabel("pipeline stage")
-    axes.set_ylabel("share of cost (%)")
-    axes.set_title(f"Partition: max/mean stage cost = {max(shares) / mean:.3f}")
-    axes.legend(loc="lower right", fontsize=8)
+    prefix = common_prefix([m for s in stages for m in s.modules])
+    listing = [
+        textwrap.fill(f"stage {s.stage}: {', '.join(compact_names(s.modules, prefix)) or '-'}", 110,
+                      subsequent_indent="    ")
+        for s in stages
+    ]
+    text_lines = sum(entry.count("\n") + 1 for entry in listing) + 1
+    figure = plt.figure(figsize=(12, 3.2 + 0.22 * text_lines))
+    grid = figure.add_gridspec(2, len(_PANELS), height_ratios=[3.2, 0.22 * text_lines])
+    labels = [str(s.stage) for s in stages]
+    for column, (title, value) in enumerate(_PANELS):
+        axes = figure.add_subplot(grid[0, column])
+        values = [value(s) for s in stages]
+        axes.bar(labels, values, color="#4878a8")
+        mean = sum(values) / len(values)
+        axes.axhline(mean, color="#c44e52", linestyle="--", linewidth=1)
+        for index, v in enumerate(values):
+            axes.text(index, v, f"{v:.3g}", ha="center", va="bottom", fontsize=7)
+        axes.set_title(title, fontsize=9)
+        axes.set_xlabel("stage", fontsize=8)
+    costs = [s.cost_share for s in stages]
+    figure.suptitle(
+        f"Partition into {len(stages)} stages: max/mean stage cost = {max(costs) * len(costs) / sum(costs):.3f}"
+        " (dashed: mean)" + (f"; '{prefix}' omitted from module names" if prefix else ""),
+        fontsize=10,
+    )
+    text = figure.add_subplot(grid[1, :])
+    text.axis("off")
+    text.text(0, 1, "\n".join(listing), va="top", ha="left", family="monospace", fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)

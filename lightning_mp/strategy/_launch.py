@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 
@@ -98,12 +99,25 @@ class _ScriptLauncher(_SubprocessScriptLauncher):
 
 
 class _Spawn(SpawnLauncher):
-    """Our spawn/fork launcher that also hands the strategy the path it resumes from (before it is pickled)."""
+    """Our spawn/fork launcher that also hands the strategy the path it resumes from (before it is pickled).
+
+    Under ``fork`` it also gives each child the parent's generators, as Lightning's launcher does under ``spawn``:
+    Python re-seeds ``random`` from the OS in every forked child (``os.register_at_fork``), so a fork run would
+    otherwise draw other Python random numbers than the same script on one device.
+    """
+
+    _parent_generators: dict[str, Any] | None = None
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         self._strategy.check_before_launch(function, args, kwargs)
         self._strategy._resume_path = resume_path_of(function, args, kwargs)
+        self._parent_generators = _collect_rng_states(include_cuda=False) if self._start_method == "fork" else None
         return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        if self._parent_generators is not None:
+            _set_rng_states(self._parent_generators)
+        super()._wrapping_function(*args, **kwargs)
 
 
 def apply_thread_policy(num_processes: int) -> None:

@@ -469,9 +469,9 @@ class SMPStrategy(ParallelStrategy):
         self._build_reducer()
         if self.topology.pipeline_parallel_degree * self.topology.tensor_parallel_degree > 1:
             sync_metrics_over(self.lightning_module, self.device_mesh.get_group(MeshAxis.DP.value))
-        if self.topology.pipeline_parallel_degree > 1:  # Lightning's summary counts the whole model
+        if self.topology.pipeline_parallel_degree * self.topology.tensor_parallel_degree > 1:  # the whole model, full sizes
             counts = gather_parameter_counts(
-                self.lightning_module, self.device_mesh.get_group(MeshAxis.PP.value), skip=set(self._param_names)
+                self.lightning_module, self.device_mesh.get_group(MeshAxis.PP.value), names=self._param_names
             )
             summarize_whole_model(trainer.callbacks, counts)
         if self.topology.data_parallel_degree == 1:
@@ -957,8 +957,8 @@ class SMPStrategy(ParallelStrategy):
 # which leaves the global generators as the user's script left them: the shuffle of a ``shuffle=True`` loader, then
 # every draw, equals that run's. Several replicas are the peer of ``ddp``, which re-seeds from ``PL_GLOBAL_SEED``
 # in ``setup_environment`` (and shards with ``DistributedSampler``); so do we. Every rank of a replica starts from
-# the same state either way: popen and torchrun re-run the script, fork inherits, and Lightning's spawn launcher
-# restores the parent's snapshot. Setup's extra work (first batch, trace) restores them (``generators_kept``).
+# the same state either way: popen and torchrun re-run the script, Lightning's spawn launcher restores the
+# parent's snapshot, and ours does so under fork too (Python re-seeds `random` in a forked child). Setup's extra work (first batch, trace) restores them (``generators_kept``).
 
 
 # [Note: token-weighted losses] A loss that is a mean over a data-dependent count (tokens with ``labels != -100``

@@ -4,12 +4,15 @@ With ``pipeline_parallel_degree > 1`` each rank holds one stage's parameters, so
 (printed on global rank 0) would count stage 0 only. At setup the strategy gathers every module's own parameter
 counts over the pipeline group (:func:`gather_parameter_counts`) and has each ``ModelSummary`` callback build a
 :class:`WholeModelSummary` from them: per-layer "Params", total, trainable and non-trainable counts and the model
-size are then those of the whole model, as under ``ddp``.
+size are then those of the whole model, as under ``ddp``. Under tensor parallelism a rank holds a shard of each
+split parameter; it is counted at its full logical size (:func:`logical_numel`), so the summary counts the model
+the user wrote at every layout.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
@@ -17,44 +20,53 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelSummary as ModelSummaryCallback
 from lightning.pytorch.utilities.model_summary import ModelSummary
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
-from torch import nn
+from torch import Tensor, nn
 from typing_extensions import override
+
+from lightning_mp.tp._sharding import shard_spec
 
 __all__ = [
     "WholeModelSummary",
     "gather_parameter_counts",
+    "logical_numel",
     "silence_single_replica_sync_advice",
     "summarize_whole_model",
 ]
 
-Counts = dict[str, tuple[int, int]]  # module FQN -> (parameter elements it holds itself, of which trainable)
+Counts = dict[str, dict[str, tuple[int, bool]]]
+"""Module FQN -> {original FQN of each parameter it holds itself: (logical elements, trainable)}."""
 
 
-def _local_counts(module: nn.Module, skip: set[str]) -> Counts:
-    seen: set[int] = set()
+def logical_numel(param: Tensor) -> int:
+    """Elements of ``param``'s full logical tensor: a tensor-parallel shard counts as the tensor it is a piece of
+    (its ``ShardSpec``'s full size along the sharded dim, padding excluded)."""
+    spec = shard_spec(param)
+    if spec is None or param.dim() <= spec.dim or param.size(spec.dim) == 0:
+        return param.numel()
+    return param.numel() // param.size(spec.dim) * spec.full_size
+
+
+def _local_counts(module: nn.Module, names: Mapping[str, str]) -> Counts:
     counts: Counts = {}
-    for fqn, child in module.named_modules():
-        own = [
-            p for name, p in child.named_parameters(recurse=False)
-            if id(p) not in seen and (f"{fqn}.{name}" if fqn else name) not in skip
-        ]
-        seen.update(id(p) for p in own)
-        counts[fqn] = (sum(p.numel() for p in own), sum(p.numel() for p in own if p.requires_grad))
+    for fqn, child in module.named_modules(remove_duplicate=False):
+        own = counts.setdefault(fqn, {})
+        for name, param in child.named_parameters(recurse=False, remove_duplicate=False):
+            full_name = f"{fqn}.{name}" if fqn else name
+            own[names.get(full_name, full_name)] = (logical_numel(param), param.requires_grad)
     return counts
 
 
-def gather_parameter_counts(module: nn.Module, group: dist.ProcessGroup, skip: set[str] | None = None) -> Counts:
-    """Every module's own parameter counts over the stages of ``group``. Every rank of ``group`` must call this.
+def gather_parameter_counts(module: nn.Module, group: dist.ProcessGroup, names: Mapping[str, str] | None = None) -> Counts:
+    """Every module's own parameters over the stages of ``group``. Every rank of ``group`` must call this.
 
-    ``skip``: parameter FQNs not to count (the other names of shared parameters): a replicated tied weight then
-    counts once, at its first owner, as on one device."""
+    ``names``: other names of shared parameters -> original FQN; a shared parameter then counts once in a total
+    (and in each layer that holds it), as Lightning counts it on one device."""
     stages: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(stages, _local_counts(module, skip or set()), group=group)
+    dist.all_gather_object(stages, _local_counts(module, names or {}), group=group)
     merged: Counts = {}
     for counts in stages:
-        for fqn, (total, trainable) in counts.items():
-            previous = merged.get(fqn, (0, 0))
-            merged[fqn] = (max(previous[0], total), max(previous[1], trainable))
+        for fqn, own in counts.items():
+            merged.setdefault(fqn, {}).update(own)
     return merged
 
 
@@ -65,25 +77,28 @@ class WholeModelSummary(ModelSummary):
         self._counts = counts
         super().__init__(model, max_depth=max_depth)
 
-    def _subtree(self, fqn: str) -> tuple[int, int]:
-        prefix = fqn + "."
-        rows = [c for name, c in self._counts.items() if name == fqn or name.startswith(prefix)]
-        return sum(r[0] for r in rows), sum(r[1] for r in rows)
+    def _unique(self, prefix: str | None = None) -> dict[str, tuple[int, bool]]:
+        """The parameters (each once) held by the module ``prefix`` and its children; all of them for ``None``."""
+        found: dict[str, tuple[int, bool]] = {}
+        for fqn, own in self._counts.items():
+            if prefix is None or fqn == prefix or fqn.startswith(prefix + "."):
+                found.update(own)
+        return found
 
     @property
     @override
     def param_nums(self) -> list[int]:
-        return [self._subtree(fqn)[0] for fqn in self._layer_summary]
+        return [sum(n for n, _ in self._unique(fqn).values()) for fqn in self._layer_summary]
 
     @property
     @override
     def total_parameters(self) -> int:
-        return sum(total for total, _ in self._counts.values())
+        return sum(n for n, _ in self._unique().values())
 
     @property
     @override
     def trainable_parameters(self) -> int:
-        return sum(trainable for _, trainable in self._counts.values())
+        return sum(n for n, trainable in self._unique().values() if trainable)
 
 
 def summarize_whole_model(callbacks: list[Any], counts: Counts) -> None:
