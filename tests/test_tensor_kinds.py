@@ -48,6 +48,9 @@ def _kinds() -> dict:
         "subclass": TwoTensor(torch.randn(3), torch.randn(3)),
         "local_view": AsyncCollectiveTensor(torch.randn(3, 2)),  # what DTensor.to_local() may return
         "quantized": torch.quantize_per_tensor(torch.randn(4), 0.1, 2, torch.qint8),
+        "quantized_per_channel": torch.quantize_per_channel(
+            torch.randn(2, 4), torch.tensor([0.1, 0.2]), torch.tensor([0, 1]), 0, torch.quint8
+        ),
         "empty": torch.empty(0, 4),
     }
 
@@ -85,6 +88,7 @@ def _assert_same(got: torch.Tensor, sent: torch.Tensor, name: str) -> None:
         torch.testing.assert_close(got.to_dense(), sent.to_dense(), rtol=0, atol=0, msg=name)
     elif sent.is_quantized:
         assert got.qscheme() == sent.qscheme(), name
+        torch.testing.assert_close(got.dequantize(), sent.dequantize(), rtol=0, atol=0, msg=name)
         torch.testing.assert_close(got.int_repr(), sent.int_repr(), rtol=0, atol=0, msg=name)
     elif sent.dtype == torch.float8_e4m3fn:
         assert torch.equal(got.view(torch.uint8), sent.view(torch.uint8)), name
