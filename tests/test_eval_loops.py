@@ -184,7 +184,8 @@ def test_every_loop_at_pp2_matches_one_process(tmp_path, name, fit, inference_mo
     os.makedirs(tmp_path / "smp")
     run_loops(name, str(tmp_path / "ref"), 1, fit, inference_mode)
     reference = torch.load(tmp_path / "ref" / "0.pt")
-    command = [sys.executable, "tests/scripts/eval_loops.py", name, str(tmp_path / "smp"), str(int(fit)), str(int(inference_mode))]
+    script = "tests/scripts/eval_loops.py"
+    command = [sys.executable, script, name, str(tmp_path / "smp"), str(int(fit)), str(int(inference_mode))]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -198,7 +199,8 @@ def test_every_loop_at_pp2_matches_one_process(tmp_path, name, fit, inference_mo
             for got, expected in zip(result["outputs"][loop], reference["outputs"][loop]):
                 torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=loop)
         for key, metric in (("validate", "val_loss"), ("test", "test_loss")):
-            torch.testing.assert_close(result["metrics"][key][metric], reference["metrics"][key][metric], rtol=1e-5, atol=1e-6)
+            got, expected = result["metrics"][key][metric], reference["metrics"][key][metric]
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     owned = sorted(n for result in results for n in result["state"])
     assert owned == sorted(reference["state"]), "each parameter and buffer lives on exactly one stage"
     for result in results:
@@ -213,7 +215,9 @@ def _generate_two_steps(model: nn.Module, ids: torch.Tensor) -> dict:
     """A prompt with ``use_cache=True``, then one more token fed with the returned cache (greedy generation)."""
     first = model(input_ids=ids, use_cache=True)
     cache = first.past_key_values
-    cached = {f"{i}.{part}": getattr(layer, part).clone() for i, layer in enumerate(cache.layers) for part in ("keys", "values")}
+    cached = {
+        f"{i}.{part}": getattr(layer, part).clone() for i, layer in enumerate(cache.layers) for part in ("keys", "values")
+    }
     second = model(input_ids=first.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
     return {"logits": first.logits.clone(), "next_logits": second.logits.clone(), "cached": cached}
 
@@ -231,7 +235,8 @@ def _pipelined_generation(rank: int, world_size: int, remote_handles: bool) -> d
     found: dict = {}
     with torch.no_grad(), engine.session() as session:
         if engine.is_driver:
-            session.drive(lambda ids, i: found.update(_generate_two_steps(model, ids)), [_prompt()], loss_fn=lambda _: None, backward=False)
+            step = lambda ids, i: found.update(_generate_two_steps(model, ids))  # noqa: E731
+            session.drive(step, [_prompt()], loss_fn=lambda _: None, backward=False)
             session.finish(None)
         else:
             session.serve()
