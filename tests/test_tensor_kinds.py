@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.testing._internal.two_tensor import TwoTensor
 
 from lightning_mp.comm import pack
@@ -45,7 +46,11 @@ def _kinds() -> dict:
         "nested_strided": torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)]),
         "jagged": (jagged, jagged + 1),  # sharing offsets: one ragged size, so they add as in one process
         "subclass": TwoTensor(torch.randn(3), torch.randn(3)),
+        "local_view": AsyncCollectiveTensor(torch.randn(3, 2)),  # what DTensor.to_local() may return
         "quantized": torch.quantize_per_tensor(torch.randn(4), 0.1, 2, torch.qint8),
+        "quantized_per_channel": torch.quantize_per_channel(
+            torch.randn(2, 4), torch.tensor([0.1, 0.2]), torch.tensor([0, 1]), 0, torch.quint8
+        ),
         "empty": torch.empty(0, 4),
     }
 
@@ -83,11 +88,13 @@ def _assert_same(got: torch.Tensor, sent: torch.Tensor, name: str) -> None:
         torch.testing.assert_close(got.to_dense(), sent.to_dense(), rtol=0, atol=0, msg=name)
     elif sent.is_quantized:
         assert got.qscheme() == sent.qscheme(), name
+        torch.testing.assert_close(got.dequantize(), sent.dequantize(), rtol=0, atol=0, msg=name)
         torch.testing.assert_close(got.int_repr(), sent.int_repr(), rtol=0, atol=0, msg=name)
     elif sent.dtype == torch.float8_e4m3fn:
         assert torch.equal(got.view(torch.uint8), sent.view(torch.uint8)), name
-    elif isinstance(sent, TwoTensor):
-        assert torch.equal(got.a, sent.a) and torch.equal(got.b, sent.b), name
+    elif type(sent) is not torch.Tensor:  # a subclass: its inner tensors
+        for inner in sent.__tensor_flatten__()[0]:
+            assert torch.equal(getattr(got, inner), getattr(sent, inner)), name
     else:
         compacted = name == "apart"  # strides of a compact copy
         assert got.stride() == (sent.contiguous().stride() if compacted else sent.stride()), name

@@ -31,11 +31,13 @@ class RemoteBackward(Protocol):
 
 class _RemoteCallFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, call: RemoteBackward, outputs: list[torch.Tensor], nested: list, anchor: torch.Tensor, *grad_inputs):
+    def forward(
+        ctx, call: RemoteBackward, outputs: list[torch.Tensor], nested: list, anchor: torch.Tensor, *grad_inputs
+    ):
         # `outputs` are not inputs of this node, so autograd keeps their identity (no alias is created).
         ctx.set_materialize_grads(False)
         ctx.call = call
-        ctx.nested = nested
+        ctx.nested = nested  # per output: None, or the nested view's metadata (its buffer is the output here)
         ctx.num_inputs = len(grad_inputs)
         ctx.jagged = [_JaggedShape.of(t) for t in grad_inputs]
         return tuple(outputs)

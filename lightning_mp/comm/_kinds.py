@@ -17,7 +17,7 @@ tensor. The receiver rebuilds each tensor from its recipe, components first:
 - tensor subclasses implementing ``__tensor_flatten__`` / ``__tensor_unflatten__`` (nested tensors of the jagged
   layout, ``AsyncCollectiveTensor`` from ``DTensor.to_local()``, torchao-style wrappers): their inner tensors
   (recursively) and their context, which must pickle; rebuilt with the class's ``__tensor_unflatten__``.
-- quantized tensors (per-tensor and per-channel affine): integer representation, scales and zero points.
+- quantized tensors (``per_tensor_affine``, ``per_channel_affine``): integer representation, scales, zero points.
 
 Anything else (meta tensors, wrapper subclasses without ``__tensor_flatten__``, other quantization schemes) is a
 ``TypeError`` naming the type. Autograd is the transport user's business: it sees the top-level tensors only
@@ -168,7 +168,7 @@ class TensorTable:
         ints = self.add(tensor.int_repr())
         if scheme == torch.per_tensor_affine:
             return ("quantized", scheme, ints, tensor.q_scale(), tensor.q_zero_point())
-        if scheme in (torch.per_channel_affine, torch.per_channel_affine_float_qparams):
+        if scheme == torch.per_channel_affine:
             scales = self.add(tensor.q_per_channel_scales())
             zero_points = self.add(tensor.q_per_channel_zero_points())
             return ("quantized", scheme, ints, scales, zero_points, tensor.q_per_channel_axis())
@@ -237,11 +237,12 @@ def rebuild_tensors(recipes: list[Any], spans: list[Span], data: torch.Tensor | 
     Each span is copied into a fresh buffer on ``device`` (from a pinned staging buffer the copy to the GPU is
     asynchronous on the current stream; the caching host allocator keeps the staging buffer until it is done).
     """
+    assert data is not None or not spans
     bases = []
     for span in spans:
         base = torch.empty(span.alloc, dtype=torch.uint8, device="cpu" if span.on_cpu else device)
-        assert data is not None
-        base[: span.nbytes].copy_(data[span.offset : span.offset + span.nbytes], non_blocking=True)
+        # to the host from a GPU buffer: synchronous, or the CPU could read the bytes before they arrive
+        base[: span.nbytes].copy_(data[span.offset : span.offset + span.nbytes], non_blocking=not span.on_cpu)
         bases.append(base)
     alone = {recipe.span for recipe in recipes if isinstance(recipe, _Dense) and not recipe.shared}
     tensors: list = []

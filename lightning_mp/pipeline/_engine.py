@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import sys
 import threading
 import time
 import traceback
@@ -455,7 +456,9 @@ class PipelineEngine:
             )
         grad_enabled = torch.is_grad_enabled()
         call_id = (self.stage, next(self._call_ids))
-        if self.remote_handles and task.ident[:1] == ("mb",) and not self._calls_other_stages(fqn, stage, span):
+        caches = _caches_written_back(args, kwargs, grad_enabled)
+        if (self.remote_handles and task.ident[:1] == ("mb",) and not caches
+                and not self._calls_other_stages(fqn, stage, span)):
             return session.call_async(stage, call_id, (fqn, args, kwargs, grad_enabled, span), task)
         envelope = session.envelope("fwd", call_id, (fqn, args, kwargs, grad_enabled, span), task.microbatch)
         packed = pack(envelope)
@@ -465,7 +468,12 @@ class PipelineEngine:
         if grad_enabled and outputs:
             handle = _RemoteBackward(session, stage, call_id, task.microbatch, _label(fqn, span))
             reply = _connected(reply, outputs, connect_remote_outputs(handle, grad_inputs, outputs))
-        return reply.obj.body
+        if not caches:
+            return reply.obj.body
+        output, states = reply.obj.body
+        for cache, state in zip(caches, states):  # [Note: caches written back]
+            cache.__dict__.update(state.__dict__)
+        return output
 
 
 def _earlier(step: str, than: str) -> bool:
@@ -575,6 +583,22 @@ class _CallHooks:
 def _received_leaves(message: Message) -> list[torch.Tensor]:
     """The received tensors that the sender's graph needs gradients for, made leaves of this stage's graph."""
     return [t.requires_grad_(True) for t, requires_grad in zip(message.tensors, message.requires_grad) if requires_grad]
+
+
+def _caches_written_back(args: tuple, kwargs: dict, grad_enabled: bool) -> list:
+    """The Hugging Face ``Cache`` objects among a call's arguments that its owner sends back, without gradients.
+
+    [Note: caches written back] A remote module works on a copy of each Python object of its arguments, so what it
+    changes in place stays on its stage. A Hugging Face cache (``use_cache=True``) is changed in place by every
+    attention layer: without gradients (evaluation, generation) a call that passes one waits for its outputs, and
+    its owner sends the cache back with them, whose state then replaces the caller's (``__dict__``), so the model
+    returns the cache of every layer, as in one process. With gradients (training) the cache is not sent back: the
+    calls stay one-way, and the cache the model returns holds the layers of the driver's stage only.
+    """
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    if grad_enabled or cache_utils is None:
+        return []
+    return [value for value in (*args, *kwargs.values()) if isinstance(value, cache_utils.Cache)]
 
 
 def _connected(message: Message, outputs: list[torch.Tensor], connected: list[torch.Tensor]) -> Message:
@@ -1228,7 +1252,9 @@ class PipelineSession:
         fqn, args, kwargs, grad_enabled, span = envelope.body
         leaves = _received_leaves(message) if grad_enabled else []
         output = self._call_module(fqn, args, kwargs, grad_enabled, span)
-        reply = pack(self.envelope("reply", envelope.call_id, output, envelope.microbatch))
+        caches = _caches_written_back(args, kwargs, grad_enabled)
+        body = (output, caches) if caches else output  # [Note: caches written back]
+        reply = pack(self.envelope("reply", envelope.call_id, body, envelope.microbatch))
         if grad_enabled:
             outputs = [t for t in reply.tensors if t.requires_grad and _differentiable(t)]
             if outputs:
