@@ -9,8 +9,10 @@ argument), ``MultiInterMediateModel`` (a custom autograd ``Function`` with two o
 custom ``Function`` computing the weight gradients itself). ``pipe_split()`` markers are left out: the planner
 finds the split. Added here: a DDP-style wrapper (``self.module``) and blocks whose extra outputs go unused.
 
-The second group: ``nn.TransformerEncoder`` / ``nn.TransformerDecoder`` with masks, LSTM and GRU, a
-``MultiheadAttention`` block, BatchNorm and GroupNorm CNNs, embeddings with ``padding_idx`` and ``max_norm``.
+The second group: ``nn.TransformerEncoder`` / ``nn.TransformerDecoder`` / ``nn.Transformer`` with masks, LSTM and
+GRU (also over a ``PackedSequence``), a ``MultiheadAttention`` block, BatchNorm (with and without affine
+parameters) and GroupNorm CNNs, embeddings with ``padding_idx`` and ``max_norm``, ``EmbeddingBag`` and a sparse
+``Embedding``, weight-norm and spectral-norm parametrizations.
 """
 
 from __future__ import annotations
@@ -309,13 +311,18 @@ class AttentionStack(nn.Module):
 
 
 class NormCNN(nn.Module):
-    """Conv / norm / ReLU blocks, pooling, a classifier; ``norm`` is ``"batch"`` or ``"group"``. (B, 1, H, W) -> (B, 3)."""
+    """Conv / norm / ReLU blocks, pooling, a classifier. (B, 1, H, W) -> (B, 3).
+
+    ``norm``: ``"batch"``, ``"batch-no-affine"`` (running statistics, no parameters) or ``"group"``.
+    """
 
     def __init__(self, norm: str, depth: int = 3, channels: int = 4) -> None:
         super().__init__()
 
         def make_norm() -> nn.Module:
-            return nn.BatchNorm2d(channels) if norm == "batch" else nn.GroupNorm(2, channels)
+            if norm == "group":
+                return nn.GroupNorm(2, channels)
+            return nn.BatchNorm2d(channels, affine=norm == "batch")
 
         self.stem = nn.Sequential(nn.Conv2d(1, channels, 3, padding=1), make_norm(), nn.ReLU())
         self.blocks = nn.ModuleList(
@@ -345,3 +352,66 @@ class BagOfEmbeddings(nn.Module):
         h = torch.tanh(self.mix(self.tokens(ids.masked_fill(padding, 0))))  # (B, T, D)
         h = h + self.positions(torch.arange(ids.shape[1]).expand_as(ids))
         return self.head(h.mean(1))
+
+
+class PackedRecurrent(nn.Module):
+    """An LSTM over a ``PackedSequence`` (lengths from the padding mask), the packed output crossing stages."""
+
+    def __init__(self, vocab: int = 20) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, DIM)
+        self.lstm = nn.LSTM(DIM, DIM, batch_first=True)
+        self.gru = nn.GRU(DIM, DIM, batch_first=True)
+        self.head = nn.Linear(DIM, 2)
+
+    def forward(self, ids: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        lengths = (~padding).sum(1)
+        packed = nn.utils.rnn.pack_padded_sequence(self.embed(ids), lengths, batch_first=True, enforce_sorted=False)
+        packed, _ = self.lstm(packed)
+        _, h = self.gru(packed)  # h: (1, B, D)
+        return self.head(h[0])
+
+
+class FullTransformer(nn.Module):
+    """``nn.Transformer`` (encoder and decoder) with a causal target mask and padding masks."""
+
+    def __init__(self, vocab: int = 20) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, DIM)
+        self.transformer = nn.Transformer(DIM, nhead=2, num_encoder_layers=2, num_decoder_layers=2,
+                                          dim_feedforward=16, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(DIM, vocab)
+
+    def forward(self, ids: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        causal = nn.Transformer.generate_square_subsequent_mask(ids.shape[1])
+        h = self.transformer(x, x, tgt_mask=causal, src_key_padding_mask=padding, memory_key_padding_mask=padding)
+        return self.head(h)
+
+
+class NormedLayers(nn.Module):
+    """Weight-normed and spectral-normed layers (parametrizations; spectral norm updates buffers in forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.utils.parametrizations.weight_norm(nn.Linear(DIM, DIM))
+        self.b = nn.utils.parametrizations.spectral_norm(nn.Linear(DIM, DIM))
+        self.c = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+class Bags(nn.Module):
+    """``nn.EmbeddingBag`` (mean) with per-sample weights, and an ``nn.Embedding(sparse=True)``."""
+
+    def __init__(self, vocab: int = 20) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(vocab, DIM, mode="sum")
+        self.sparse = nn.Embedding(vocab, DIM, sparse=True)
+        self.head = nn.Linear(DIM, 2)
+
+    def forward(self, ids: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        weights = (~padding).float()
+        h = self.bag(ids, per_sample_weights=weights) + self.sparse(ids).mean(1)
+        return self.head(torch.tanh(h))

@@ -23,7 +23,9 @@ modules that straddle a stage boundary or share parameters need a DP, so plannin
 hundred modules takes tens of milliseconds. (A top-down greedy search, expanding a node only when
 that alone lowers the optimum, stalls where the gain needs two levels at once: a container whose
 only called child is another container, as ``nn.TransformerEncoder`` -> ``layers`` -> ``layers.i``.)
-The root residual is always the first node, so the root and its own parameters land on stage 0.
+The root residual is always the first node, so the root and its own parameters land on stage 0. A module object
+registered under several FQNs is one piece: its other names and their submodules go with its first name (see
+[Note: aliased modules] in ``_CostModel``).
 Manual placements are applied on top; the innermost entry wins for its subtree.
 
 [Note: tied weights] A parameter held by several modules (a tied embedding and LM head) is either *co-located*

@@ -302,6 +302,10 @@ class PipelineEngine:
         whole subtree (activations, dropout, pooling, ...) is stateless: it stays on every rank and runs where it
         is called, which never costs a transfer (its input is already there).
 
+        A module whose forward writes its own buffers (those in ``ordered_state``: BatchNorm's running statistics,
+        also without affine parameters; spectral norm's power-iteration vectors) is stateful too, with its parents:
+        its buffers live on its stage only, as one process keeps one copy.
+
         Every local module call that may run on another stage on some layout gets its own random stream ([Note:
         microbatch RNG streams]); with several stages, the modules named in ``ordered_state`` (those whose forward
         writes their own buffers; ``None``: every module with buffers) update them in microbatch order ([Note:
@@ -315,7 +319,11 @@ class PipelineEngine:
         missing = sorted({fqn for fqn, _ in modules} - set(stage_of))
         if missing:
             raise ValueError(f"The partition plan has no stage for modules {missing[:5]}; re-plan the model.")
-        stateful = {id(m) for _, m in modules if next(m.parameters(), None) is not None}
+        writers = _buffer_writers(modules, ordered_state)
+        stateful = {
+            id(m) for _, m in modules
+            if next(m.parameters(), None) is not None or any(id(sub) in writers for sub in m.modules())
+        }
         first_name: dict[int, str] = {}
         for fqn, module in modules:
             stage = stage_of[fqn]
@@ -329,7 +337,7 @@ class PipelineEngine:
                 )
             self._modules[fqn] = module
             self._stage_of[fqn] = stage if id(module) in stateful else self.stage
-            if next(module.parameters(recurse=False), None) is not None:
+            if next(module.parameters(recurse=False), None) is not None or id(module) in writers:
                 parts = fqn.split(".") if fqn else []
                 for depth in range(len(parts) + 1):
                     self._subtree_stages.setdefault(".".join(parts[:depth]), set()).add(stage)
@@ -496,6 +504,15 @@ def _label(fqn: str, span: tuple[int, int] | None) -> str:
 # calling blocks 3..5 on stage 1 costs one round trip forward and one backward per microbatch, as in a
 # static pipeline. Children without parameters join the run before them (the first run if they lead), as they
 # run wherever they are called. A subclass that overrides ``forward`` keeps its own forward.
+
+
+def _buffer_writers(modules: list[tuple[str, nn.Module]], ordered_state: Sequence[str] | None) -> set[int]:
+    """Ids of the modules whose forward writes their own buffers: those named in ``ordered_state`` (``None``, a plan
+    that did not record it: every module with buffers)."""
+    if ordered_state is None:
+        return {id(m) for _, m in modules if any(b is not None for b in m._buffers.values())}
+    named = set(ordered_state)
+    return {id(m) for fqn, m in modules if fqn in named}
 
 
 def _sequential_runs(module: nn.Sequential, fqn: str, stage_of: Mapping[str, int], stateful: set[int]) -> list[tuple[int, int, int]]:
