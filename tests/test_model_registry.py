@@ -7,8 +7,8 @@ validation metrics, every prediction. To stay CI-affordable, all models of one p
 other in one group of forked processes (one ``Trainer`` each, joined to the existing process group as under
 ``torchrun``), and the one-process references run once in the test process; both are module-scoped fixtures.
 
-Rows that fail only because TransformerEncoder's eval fast path hands nested tensors to the transport are marked
-``xfail(strict=True)``: the fix is on its way (branch values), and a strict xfail turns red once it lands.
+TransformerEncoder's eval fast path hands nested tensors between its layers: where its layers are split (pp=2, and
+``nn.Transformer`` at pp=3) those cross stages, so those rows also test the transport's nested-tensor kinds.
 """
 
 from __future__ import annotations
@@ -123,13 +123,6 @@ SPECS: dict[str, Spec] = {
     "EmbeddingBag + sparse": Spec(lambda pp: zoo.Bags(), _tokens, _ids, _classification),
 }
 
-NESTED = pytest.mark.xfail(strict=True, reason="nested tensor transport: branch values")
-# the encoder's eval fast path makes nested tensors between its layers: they cross stages where its layers are split
-EXPECTED_TO_FAIL = {
-    **{("TransformerEncoder", entry, pp): NESTED for entry in ("validate", "predict") for pp in (2, 3)},
-    **{("Transformer", entry, 3): NESTED for entry in ("validate", "predict")},
-}
-
 
 # ---- harness ------------------------------------------------------------------------------------------------------
 
@@ -237,7 +230,7 @@ def _merged(per_rank: list[dict[str, Any]], name: str, entry: str) -> Any:
 
 
 def _params(case: tuple[str, str, int]):
-    return pytest.param(*case, id=f"{case[0]}-{case[1]}-pp{case[2]}", marks=EXPECTED_TO_FAIL.get(case, ()))
+    return pytest.param(*case, id=f"{case[0]}-{case[1]}-pp{case[2]}")
 
 
 CASES = [_params((name, entry, pp)) for pp in (2, 3) for name in _names_at(pp) for entry in ENTRIES]
