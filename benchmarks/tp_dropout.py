@@ -14,8 +14,9 @@ in ``lightning_mp/tp/_random.py``):
 
 One step is forward + backward of the block on ``(B, T, C)`` (``loss = mean(y^2)``). Methods alternate round by
 round (``--rounds`` x ``--steps`` timed steps after a warm-up round); the table gives rank 0's step time in its
-fastest round (the least disturbed by other load on a shared machine) and the ratio to ``shared`` in the same run, for eager and SDPA attention and two shapes (the mask has ``B nh T^2``
-elements, the matmuls ``~ B T C^2`` work: long sequences at small width cost the most).
+fastest round (the least disturbed by other load on a shared machine) and the ratio to ``shared`` in the same
+run, for eager and SDPA attention and two shapes (the mask has ``B nh T^2`` elements, the matmuls ``~ B T C^2``
+work: long sequences at small width cost the most).
 """
 
 from __future__ import annotations

@@ -64,8 +64,8 @@ class _Slot:
 class _PerCall:
     """The hooks' state: the record, its generator states, each module's own meta tensors."""
 
-    def __init__(self, model: nn.Module, record: InitRecord) -> None:
-        self.record = record
+    def __init__(self, model: nn.Module, record: InitRecord, device: torch.device | None) -> None:
+        self.record, self.device = record, device
         self.rng_states: dict[int, torch.Tensor] = {}
         with torch.random.fork_rng(devices=[]):
             advance_rng(record, self.rng_states)
@@ -100,7 +100,7 @@ class _PerCall:
         for slot in slots:
             ref, storage = slot.ref, storages[slot.ref.sid]
             value = torch.empty(0, dtype=ref.dtype).set_(storage, ref.offset, ref.shape, ref.stride)
-            value = value.to(slot.meta.dtype)
+            value = value.to(device=self.device, dtype=slot.meta.dtype)
             if slot.kind == "_parameters":
                 value = nn.Parameter(value, requires_grad=slot.meta.requires_grad)
             getattr(module, slot.kind)[slot.name] = value
@@ -131,13 +131,14 @@ def _bytes(tensors: list[torch.Tensor]) -> int:
 
 
 @contextmanager
-def materialize_per_call(model: nn.Module) -> Iterator[PerCallReport]:
+def materialize_per_call(model: nn.Module, device: torch.device | str | None = None) -> Iterator[PerCallReport]:
     """Inside, each module of ``model`` (built under delayed init) holds real weights during its calls only.
 
     See [Note: per-call materialisation]. The model's tensors are its meta tensors again on exit.
 
     Args:
         model: a model built under :func:`~lightning_mp.delay_param_initialization`, not materialised.
+        device: where the real weights go (the replay runs on CPU); ``None``: CPU.
 
     Yields:
         A :class:`PerCallReport`, filled as the modules run.
@@ -153,7 +154,7 @@ def materialize_per_call(model: nn.Module) -> Iterator[PerCallReport]:
             "A model built under delayed init on a CUDA device cannot be materialised module by module for the"
             " partitioning trace (it replays on CPU). Build it on CPU, or build it eagerly."
         )
-    state = _PerCall(model, record)
+    state = _PerCall(model, record, None if device is None else torch.device(device))
     handles = []
     for module in model.modules():
         handles.append(module.register_forward_pre_hook(state.pre_hook))

@@ -53,16 +53,21 @@ def needs_real_values(inputs: Callable[[Any], Any], err: BaseException) -> bool:
 
 
 def trace_per_call(
-    model: nn.Module, run: Callable[[Callable[[Any], Any]], T], inputs: MetaInputs, first: Exception
+    model: nn.Module,
+    run: Callable[[Callable[[Any], Any]], T],
+    inputs: MetaInputs,
+    first: Exception,
+    device: torch.device,
 ) -> T:
-    """Run ``run(inputs.real)`` (a trace on the real sample) with each module's weights real during its call only.
+    """Run ``run(inputs.real)`` (a trace on the real sample) with each module's weights real during its call only,
+    on ``device`` (where ``inputs.real`` puts the sample).
 
     Raises:
         RuntimeError: naming the module that was running, the failing op and the way out, if that trace fails too
             (a module that uses another module's parameters outside that module's call, code outside any module
             that uses parameters).
     """
-    with materialize_per_call(model) as report:
+    with materialize_per_call(model, device) as report:
         try:
             result = run(inputs.real)
         except RuntimeError as err:

@@ -217,7 +217,8 @@ def _trace_like_the_step(
         except RuntimeError as err:
             if not needs_real_values(to_device, err):
                 raise
-            return trace_per_call(module, run, to_device, err)  # delayed init and a step that reads values
+            device = trainer.strategy.root_device  # delayed init and a step that reads values: see the Note there
+            return trace_per_call(module, run, to_device, err, device)
     except RuntimeError as err:
         raise RuntimeError(f"{err}.\n{_trace_hint(config)}") from err.__cause__
     finally:
