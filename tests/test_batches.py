@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import lightning as L
 import numpy as np
@@ -20,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 import lightning_mp
 
 STEPS, BATCH = 3, 8
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -174,3 +178,23 @@ def test_a_batch_of_strings_splits_into_microbatches_as_on_one_device(tmp_path):
     assert sorted(got["params"]) == sorted(expected["params"])
     for name, value in got["params"].items():
         torch.testing.assert_close(value, expected["params"][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "delayed-dp2"])
+def test_ranks_start_alike_without_a_seed(tmp_path, layout):
+    """Without ``seed_everything`` each popen rank starts from its own OS seed: replicas must still start from one
+    model and the ranks of one replica read one batch order (as ``ddp`` broadcasts its module from rank 0)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOCAL_RANK", "MASTER_PORT")}
+    env.pop("PL_GLOBAL_SEED", None)
+    result = subprocess.run(
+        [sys.executable, "tests/scripts/unseeded_ranks.py", layout, str(tmp_path)], cwd=ROOT,
+        env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    ranks = [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(2)]
+    for when in ("initial", "final"):
+        for name, value in ranks[0][when].items():
+            torch.testing.assert_close(ranks[1][when][name], value, rtol=0, atol=0, msg=f"{when} {name}")
+    if layout == "tp2":  # one replica: both ranks read the same shuffled batches
+        for a, b in zip(ranks[0]["batches"], ranks[1]["batches"], strict=True):
+            assert torch.equal(a, b)

@@ -57,6 +57,7 @@ from lightning_mp.strategy._summary import (
     silence_single_replica_sync_advice,
     summarize_whole_model,
 )
+from lightning_mp.strategy._replicas import share_generators, sync_initial_states
 from lightning_mp.strategy._placement import (
     _FETCH,
     PLAN_KEY,
@@ -396,6 +397,7 @@ class SMPStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, timeout=self.config.timeout)
         if self._engine is None:  # a later fit/validate/test in the same processes keeps groups, plan and placement
+            share_generators()  # without a seed, every rank takes rank 0's: see [Note: ranks start alike]
             self._device_mesh = build_device_mesh(self._topology, self.root_device.type, self.config.timeout)
             self._groups = _tp.build_groups(self._topology, self._device_mesh, self.config.timeout)
             self._engine = self._build_engine()
@@ -461,6 +463,8 @@ class SMPStrategy(ParallelStrategy):
             self._param_names = original_names(self.model)
         if self._save_distributed_checkpoint:
             _checkpoint.name_checkpoint_folders(trainer.checkpoint_callbacks)
+        if self._plan is None:  # the first setup of these processes: every rank starts from rank 0's model
+            sync_initial_states(self.lightning_module)
         self._place_modules(trainer)
         if self._load_weights is not None:
             _checkpoint.load_weights(
