@@ -136,10 +136,12 @@ def test_llama_plan_with_indivisible_heads_is_left_unswapped_with_reasons():
     assert "model.layers.0.mlp.gate_proj" in report.swapped  # the rest of the plan still applies
 
 
-def test_unsupported_plan_style_leaves_only_that_module():
+def test_unsupported_plan_style_leaves_only_that_region_replicated():
     model = tiny_llama()
     model.tp_plan = {**model.tp_plan, "model.layers.*.mlp.up_proj": "sequence_parallel"}
     lightning_mp.set_tensor_parallelism(model)
     report = swap_modules(model, TPGroup(None, 0, 2), translations=[translate_hf])
     assert "'sequence_parallel' is not supported" in report.skipped["model.layers.0.mlp.up_proj"]
-    assert "model.layers.0.mlp.gate_proj" in report.swapped
+    # gate_proj alone split would meet a whole up_proj in act(gate) * up: its region stays replicated whole
+    assert "sharded region 'model.layers.0.mlp' left replicated" in report.skipped["model.layers.0.mlp.gate_proj"]
+    assert "model.layers.0.self_attn.q_proj" in report.swapped  # the rest of the plan still applies
