@@ -961,8 +961,10 @@ class SMPStrategy(ParallelStrategy):
 # which leaves the global generators as the user's script left them: the shuffle of a ``shuffle=True`` loader, then
 # every draw, equals that run's. Several replicas are the peer of ``ddp``, which re-seeds from ``PL_GLOBAL_SEED``
 # in ``setup_environment`` (and shards with ``DistributedSampler``); so do we. Every rank of a replica starts from
-# the same state either way: popen and torchrun re-run the script, Lightning's spawn launcher restores the
-# parent's snapshot, and ours does so under fork too (Python re-seeds `random` in a forked child). Setup's extra work (first batch, trace) restores them (``generators_kept``).
+# the same state either way: with a seed, popen and torchrun re-run the script, Lightning's spawn launcher restores
+# the parent's snapshot, and ours does so under fork too (Python re-seeds `random` in a forked child); without one,
+# every rank takes global rank 0's generators and model (see [Note: ranks start alike] in ``_replicas.py``).
+# Setup's extra work (first batch, trace) restores them (``generators_kept``).
 
 
 # [Note: token-weighted losses] A loss that is a mean over a data-dependent count (tokens with ``labels != -100``
