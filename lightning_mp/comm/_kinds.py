@@ -26,8 +26,7 @@ Anything else (meta tensors, wrapper subclasses without ``__tensor_flatten__``, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -45,8 +44,7 @@ _COMPRESSED = {
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
-@dataclass(frozen=True)
-class Span:
+class Span(NamedTuple):
     """Bytes of one storage region in the data frame.
 
     Attributes:
@@ -62,8 +60,7 @@ class Span:
     on_cpu: bool
 
 
-@dataclass(frozen=True)
-class _Dense:
+class _Dense(NamedTuple):  # a tuple: cheap to build and to pickle, one per tensor of every message
     span: int | None  # index into the spans; None for a tensor without elements
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -83,8 +80,10 @@ def padded(nbytes: int, align: int = FRAME_ALIGN) -> int:
 def _byte_extent(tensor: torch.Tensor) -> tuple[int, int]:
     """``[first, end)`` bytes of ``tensor``'s storage that it reads (it has elements)."""
     size = tensor.element_size()
-    last = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
     first = tensor.storage_offset() * size
+    if tensor.is_contiguous():
+        return first, first + tensor.numel() * size
+    last = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
     return first, first + (last + 1) * size
 
 
@@ -191,6 +190,8 @@ class TensorTable:
     def _sharing(self, members: list[int]) -> list[tuple[list[int], bool]]:
         """The members of one storage as groups, each one span, and whether it travels as a compact copy: one
         that spans at least twice the bytes it holds, and 8 KiB, does (rpc's recopy rule), each member alone."""
+        if len(members) == 1 and self.tensors[members[0]].is_contiguous():
+            return [(members, False)]
         extents = [_byte_extent(self.tensors[i]) for i in members]
         span = max(end for _, end in extents) - min(first for first, _ in extents)
         useful = sum(self.tensors[i].numel() * self.tensors[i].element_size() for i in members)
