@@ -77,7 +77,17 @@ def _worker(rank: int, world: int, name: str, attn: str) -> dict:
 
 @pytest.mark.parametrize(("name", "attn"), [("gpt2", "eager"), ("gpt2", "sdpa"), ("llama", "eager"), ("llama", "sdpa")])
 def test_dropout_at_tp2_draws_one_process_masks(name, attn):
-    for result in run_distributed(_worker, 2, name, attn, start_method="fork"):
+    _check_one_process(run_distributed(_worker, 2, name, attn, start_method="fork"))
+
+
+def test_gpt2_dropout_at_tp4_where_c_fc_width_is_the_replicated_width():
+    """At tp=4 ``c_fc``'s local width 4C/4 equals C: the residual dropout on ``(B, T, C)`` after ``c_proj`` is
+    replicated (it raised before), the attention weights ``(B, 1, T, T)`` one process's heads: equal to tp=1."""
+    _check_one_process(run_distributed(_worker, 4, "gpt2", "eager", start_method="fork"))
+
+
+def _check_one_process(results: list[dict]) -> None:
+    for result in results:
         loss, ref_loss = result["loss"]
         assert abs(ref_loss - result["no_dropout"]) > 1e-3, "dropout is on and changes the loss"
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
