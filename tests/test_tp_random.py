@@ -283,3 +283,36 @@ def test_fit_with_dropout_at_tp2_equals_tp1(tmp_path, monkeypatch, name):
 def test_tp_random_streams_is_checked():
     with pytest.raises(ValueError, match="`tp_random_streams` must be 'one_process' or 'per_rank', got 'megatron'"):
         lightning_mp.SMPStrategy(tensor_parallel_degree=2, tp_random_streams="megatron")
+
+
+class _ModeProbe(torch.nn.Module):
+    """A region (a column-parallel child, never called here) that records the dispatch mode its call runs under."""
+
+    def __init__(self, p: float, attention_dropout: float):
+        from lightning_mp.nn import DistributedLinear  # noqa: PLC0415
+
+        super().__init__()
+        self.fc = DistributedLinear(8, 16, tp=TPGroup(None, 0, 2), parallel="column")
+        self.drop, self.attention_dropout = torch.nn.Dropout(p), attention_dropout
+
+    def forward(self, x: torch.Tensor):
+        from torch.utils._python_dispatch import _get_current_dispatch_mode  # noqa: PLC0415
+
+        return _get_current_dispatch_mode()
+
+
+@pytest.mark.parametrize(
+    ("p", "attention_dropout", "training", "on"),
+    [(0.1, 0.0, True, True), (0.0, 0.1, True, True), (0.0, 0.0, True, False), (0.1, 0.1, False, False)],
+)
+def test_the_draw_mode_is_on_only_while_the_region_can_draw(p, attention_dropout, training, on):
+    """The dispatch mode costs time on every op (measured 1.6x forward + backward of a small attention): it is
+    entered only in training with a dropout rate above 0 (an ``nn.Dropout``'s ``p`` or a float "drop" attribute)."""
+    from lightning_mp.tp._random import install_sharded_random, remove_sharded_random  # noqa: PLC0415
+
+    probe = _ModeProbe(p, attention_dropout).train(training)
+    assert install_sharded_random(probe, probe.fc.tp) == [""]
+    try:
+        assert (probe(torch.ones(1)) is not None) is on
+    finally:
+        remove_sharded_random(probe)

@@ -16,6 +16,12 @@ its regions, which draws only the local shard (``1 / tp`` of the numbers) but ca
 the option ``tp_random_streams="per_rank"`` here (each rank's stream seeded from one number of the call's stream
 and the tp rank), for layers where the full-size draw costs too much (``benchmarks/tp_dropout.py``).
 
+The dispatch mode that does this is on only while a region *can draw*: the region module is in training and
+one of its dropout rates (and its descendants') is above 0: ``p`` of an ``nn.Dropout``-like module, or a float
+attribute whose name holds "drop" (``attention_dropout``, ``dropout``, ``attn_pdrop``, ``drop_path_rate``). A
+region without one (eval, dropout 0) runs without the mode, at no cost; a random op in it whose rate has another
+name draws from the shared stream (every rank the same numbers for its shard).
+
 Which tensors are sharded is decided from where the op sits in the region's call and the layout the region's
 children give (the same rule on every rank). When a tensor is not certainly sharded, it is treated as
 replicated (the shared stream: every rank draws the same mask, so replicated activations stay equal):
@@ -54,6 +60,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.modules.dropout import _DropoutNd
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
@@ -146,6 +153,7 @@ class _RegionCall:
     """One call of a region: whether a column-parallel child has run, and whether a row-parallel one ran since."""
 
     region: ShardedRandomRegion
+    can_draw: bool = True
     column_ran: bool = False
     row_ran_since: bool = False
 
@@ -231,20 +239,22 @@ def _draw_per_rank(func, args: tuple, kwargs: dict, region: ShardedRandomRegion)
         _set_states(shared)
 
 
-def _push(region: ShardedRandomRegion) -> _RegionCall:
-    """Enter a region on this thread (the draw mode is on while any region is); returns the call's record."""
+def _push(region: ShardedRandomRegion, can_draw: bool = True) -> _RegionCall:
+    """Enter a region on this thread; returns the call's record. The draw mode is on while a region that
+    ``can_draw`` is (a call that cannot draw pays no dispatch, yet keeps its layout for a random op inside)."""
     stack = _regions()
-    if not stack:
+    call = _RegionCall(region, can_draw=can_draw)
+    if can_draw and not any(c.can_draw for c in stack):
         _LOCAL.mode = _ShardedDrawMode()
         _LOCAL.mode.__enter__()
-    stack.append(_RegionCall(region))
-    return stack[-1]
+    stack.append(call)
+    return call
 
 
 def _pop() -> None:
     stack = _regions()
-    stack.pop()
-    if not stack:
+    call = stack.pop()
+    if call.can_draw and not any(c.can_draw for c in stack):
         _LOCAL.mode.__exit__(None, None, None)
         _LOCAL.mode = None
 
@@ -253,10 +263,27 @@ def _pop() -> None:
 class _Installed:
     region: ShardedRandomRegion
     handles: tuple[RemovableHandle, ...]
+    draw_rates: tuple[tuple[nn.Module, str], ...]  # (module, attribute) pairs that say how much it drops
+
+    def can_draw(self, module: nn.Module) -> bool:
+        """``module`` in training and one of its dropout rates above 0 (see :func:`_draw_rates`)."""
+        return module.training and any(m.training and getattr(m, a) > 0 for m, a in self.draw_rates)
+
+
+def _draw_rates(module: nn.Module) -> tuple[tuple[nn.Module, str], ...]:
+    """The dropout rates in ``module`` and below: ``p`` of each ``nn.Dropout``-like module, and every float
+    attribute whose name holds "drop" (``attention_dropout``, ``dropout``, ``attn_pdrop``, ``drop_path_rate``)."""
+    rates = []
+    for m in module.modules():
+        if isinstance(m, _DropoutNd):
+            rates.append((m, "p"))
+        rates.extend((m, name) for name, v in vars(m).items() if "drop" in name.lower() and type(v) is float)
+    return tuple(rates)
 
 
 def _pre_hook(module: nn.Module, args: tuple) -> None:
-    _push(module._lmp_sharded_random.region)
+    installed = module._lmp_sharded_random
+    _push(installed.region, installed.can_draw(module))
 
 
 def _post_hook(module: nn.Module, args: tuple, output) -> None:
@@ -279,7 +306,7 @@ def install_sharded_random(root: nn.Module, tp: TPGroup, streams: RandomStreams 
     """Make random ops on sharded activations draw as ``streams`` says (see the Note); returns the regions' FQNs.
 
     A region is a module with a direct child that is a column-parallel ``DistributedLinear`` without
-    ``gather_output``. Does nothing at ``tp.size == 1``. Installing again on a module changes its ``streams``.
+    ``gather_output``; its calls draw this way while it can draw (see the Note). Does nothing at ``tp.size == 1``. Installing again on a module changes its ``streams``.
 
     Args:
         root: the model after its tensor-parallel swap.
@@ -317,7 +344,7 @@ def install_sharded_random(root: nn.Module, tp: TPGroup, streams: RandomStreams 
                 *(c.register_forward_hook(_column_ran) for c in columns),
                 *(c.register_forward_hook(_row_ran) for c in rows),
             )
-            module._lmp_sharded_random = _Installed(region, handles)
+            module._lmp_sharded_random = _Installed(region, handles, _draw_rates(module))
         names.append(fqn)
     return names
 
