@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import lightning as L
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -153,3 +154,42 @@ def test_a_parent_reading_a_childs_weight_is_one_clear_error_and_the_teardown_ad
     assert "Tensor.item() cannot be called on meta tensors" in output, output[-4000:]
     assert "partition_plan=" in output, output[-4000:]
     assert "Cannot copy out of meta tensor" not in output, output[-4000:]
+
+
+class _ReadsValues(nn.Module):
+    """A step that needs values in one of the ways torch reports on meta tensors."""
+
+    def __init__(self, read: str):
+        super().__init__()
+        self.gate, self.read = nn.Linear(8, 4), read
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)
+        if self.read == "bincount":  # an MoE router's tokens per expert: "with Meta tensors"
+            return logits * torch.bincount(logits.argmax(-1), minlength=4).float()
+        if self.read == "unique":
+            return logits * torch.unique(logits.argmax(-1)).numel()
+        if self.read == "numpy":  # TypeError: "can't convert meta device type tensor to numpy"
+            return logits * float(logits.numpy()[0, 0])
+        return logits * logits[0, 0].item()
+
+
+@pytest.mark.parametrize("read", ["item", "bincount", "unique", "numpy"])
+def test_value_reads_on_meta_are_retried_per_call(read):
+    from lightning_mp.partition import trace  # noqa: PLC0415
+    from lightning_mp.strategy._delayed import MetaInputs, needs_real_values  # noqa: PLC0415
+
+    inputs = MetaInputs(lambda batch: batch)
+    with delay_param_initialization():
+        model = _ReadsValues(read)
+    with pytest.raises(RuntimeError) as failed:
+        trace(model, lambda: model(inputs(_sample())))
+    assert needs_real_values(inputs, failed.value)
+
+
+def test_an_error_that_only_mentions_metadata_is_not_retried():
+    from lightning_mp.strategy._delayed import MetaInputs, needs_real_values  # noqa: PLC0415
+
+    err = RuntimeError("tracing the model failed: the traced run raised KeyError: 'metadata'")
+    assert not needs_real_values(MetaInputs(lambda batch: batch), err)
+    assert needs_real_values(MetaInputs(lambda batch: batch), RuntimeError("Tensor.item() on meta tensors"))

@@ -10,6 +10,7 @@ modules' buffers, which run everywhere) is materialised by replaying the record.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -46,10 +47,18 @@ def meta_trace_inputs(to_device: Callable[[Any], Any]) -> MetaInputs:
     return MetaInputs(to_device)
 
 
+# "meta" as a word of its own, any case: torch's "cannot be called on meta tensors", "with Meta tensors" (bincount,
+# unique), "meta device type tensor" (.numpy()), "register_meta function" (nonzero); not "metadata".
+_META_WORD = re.compile(r"(?<![a-z])meta(?![a-z])", re.IGNORECASE)
+
+
 def needs_real_values(inputs: Callable[[Any], Any], err: BaseException) -> bool:
-    """Whether a meta trace failed because the step needs tensor values (``.item()``, ``if tensor:``, ...)."""
+    """Whether a meta trace failed because the step needs tensor values (``.item()``, ``if tensor:``, ``.numpy()``,
+    data-dependent ops such as ``bincount``, ``unique``, ``nonzero``): torch's error, of any type, names meta
+    tensors. A failure whose message does not (``repeat_interleave`` checking sizes against meta values) is not
+    retried."""
     cause = err.__cause__ or err
-    return isinstance(inputs, MetaInputs) and "meta" in f"{err} {cause}"
+    return isinstance(inputs, MetaInputs) and _META_WORD.search(f"{err} {cause}") is not None
 
 
 def trace_per_call(
