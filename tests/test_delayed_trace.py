@@ -142,14 +142,18 @@ def test_data_dependent_model_with_delayed_init_at_pp2_matches_eager_one_process
         torch.testing.assert_close(value, reference["params"][name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_a_parent_reading_a_childs_weight_is_one_clear_error_and_the_teardown_adds_none():
+def _failed_script_output(script: str) -> str:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOCAL_RANK", "MASTER_PORT")}
     result = subprocess.run(
-        [sys.executable, "tests/scripts/delayed_trace_error.py"], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
+        [sys.executable, f"tests/scripts/{script}"], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
         capture_output=True, text=True, timeout=300,
     )
-    output = result.stdout + result.stderr
     assert result.returncode != 0
+    return result.stdout + result.stderr
+
+
+def test_a_parent_reading_a_childs_weight_is_one_clear_error_and_the_teardown_adds_none():
+    output = _failed_script_output("delayed_trace_error.py")
     assert "it failed in module 'net'" in output, output[-4000:]
     assert "Tensor.item() cannot be called on meta tensors" in output, output[-4000:]
     assert "partition_plan=" in output, output[-4000:]
@@ -193,3 +197,8 @@ def test_an_error_that_only_mentions_metadata_is_not_retried():
     err = RuntimeError("tracing the model failed: the traced run raised KeyError: 'metadata'")
     assert not needs_real_values(MetaInputs(lambda batch: batch), err)
     assert needs_real_values(MetaInputs(lambda batch: batch), RuntimeError("Tensor.item() on meta tensors"))
+
+
+def test_a_model_built_in_two_delayed_blocks_fails_once_and_the_teardown_adds_none():
+    output = _failed_script_output("delayed_two_blocks.py")
+    assert output.count("ValueError: The model was built in 2 separate") == 1, output[-4000:]

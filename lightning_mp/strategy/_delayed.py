@@ -10,6 +10,7 @@ modules' buffers, which run everywhere) is materialised by replaying the record.
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -23,12 +24,26 @@ from lightning_mp.init import MaterializeReport, find_record, materialize_module
 
 T = TypeVar("T")
 
-__all__ = ["MetaInputs", "is_delayed", "materialize_stage", "meta_trace_inputs", "needs_real_values", "trace_per_call"]
+__all__ = [
+    "MetaInputs",
+    "holds_meta_tensors",
+    "is_delayed",
+    "materialize_stage",
+    "meta_trace_inputs",
+    "needs_real_values",
+    "trace_per_call",
+]
 
 
 def is_delayed(model: nn.Module) -> bool:
     """Whether ``model`` was built under delayed init and is not materialised yet."""
     return find_record(model) is not None
+
+
+def holds_meta_tensors(model: nn.Module) -> bool:
+    """Whether a parameter or buffer of ``model`` is on the meta device (a delayed-init model not materialised;
+    unlike :func:`is_delayed`, never raises for a model whose record is unusable)."""
+    return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
 
 
 class MetaInputs:
