@@ -202,3 +202,42 @@ def test_an_error_that_only_mentions_metadata_is_not_retried():
 def test_a_model_built_in_two_delayed_blocks_fails_once_and_the_teardown_adds_none():
     output = _failed_script_output("delayed_two_blocks.py")
     assert output.count("ValueError: The model was built in 2 separate") == 1, output[-4000:]
+
+
+class _PositionTable(nn.Module):
+    """Learned positions returned as a view of the module's own parameter (GPT/ViT position tables)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(16, 8))
+
+    def forward(self, length: int) -> torch.Tensor:
+        return self.table[:length]
+
+
+class _ViewsAWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pos, self.lin = _PositionTable(), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.pos(x.size(0))
+        try:  # a module called inside an `except` block that handles an error of the user's own
+            raise KeyError("no cache")
+        except KeyError:
+            return self.lin(h) if h[0, 0].item() > -100 else h
+
+
+def test_an_output_that_views_its_modules_weight_keeps_it_and_a_handled_error_names_no_module():
+    """Per-call materialisation: ``self.table[:T]`` is read after ``pos``'s call (its storage was freed: SIGSEGV
+    before), and ``lin`` called inside the user's ``except`` block is not recorded as the failing module."""
+    torch.manual_seed(0)
+    eager = _ViewsAWeight()
+    torch.manual_seed(0)
+    with delay_param_initialization():
+        model = _ViewsAWeight()
+    x = _sample()
+    with materialize_per_call(model) as report:
+        out = model(x)
+    torch.testing.assert_close(out, eager(x), rtol=0, atol=0)
+    assert report.failed_in is None
