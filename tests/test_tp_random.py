@@ -306,8 +306,8 @@ class _ModeProbe(torch.nn.Module):
     [(0.1, 0.0, True, True), (0.0, 0.1, True, True), (0.0, 0.0, True, False), (0.1, 0.1, False, False)],
 )
 def test_the_draw_mode_is_on_only_while_the_region_can_draw(p, attention_dropout, training, on):
-    """The dispatch mode costs time on every op (measured 1.6x forward + backward of a small attention): it is
-    entered only in training with a dropout rate above 0 (an ``nn.Dropout``'s ``p`` or a float "drop" attribute)."""
+    """The dispatch mode costs time on every op (a slower forward and backward): it is entered only in training
+    with a dropout rate above 0 (an ``nn.Dropout``'s ``p`` or a float "drop" attribute)."""
     from lightning_mp.tp._random import install_sharded_random, remove_sharded_random  # noqa: PLC0415
 
     probe = _ModeProbe(p, attention_dropout).train(training)
