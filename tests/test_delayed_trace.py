@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import lightning as L
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -141,15 +142,102 @@ def test_data_dependent_model_with_delayed_init_at_pp2_matches_eager_one_process
         torch.testing.assert_close(value, reference["params"][name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_a_parent_reading_a_childs_weight_is_one_clear_error_and_the_teardown_adds_none():
+def _failed_script_output(script: str) -> str:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOCAL_RANK", "MASTER_PORT")}
     result = subprocess.run(
-        [sys.executable, "tests/scripts/delayed_trace_error.py"], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
+        [sys.executable, f"tests/scripts/{script}"], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
         capture_output=True, text=True, timeout=300,
     )
-    output = result.stdout + result.stderr
     assert result.returncode != 0
+    return result.stdout + result.stderr
+
+
+def test_a_parent_reading_a_childs_weight_is_one_clear_error_and_the_teardown_adds_none():
+    output = _failed_script_output("delayed_trace_error.py")
     assert "it failed in module 'net'" in output, output[-4000:]
     assert "Tensor.item() cannot be called on meta tensors" in output, output[-4000:]
     assert "partition_plan=" in output, output[-4000:]
     assert "Cannot copy out of meta tensor" not in output, output[-4000:]
+
+
+class _ReadsValues(nn.Module):
+    """A step that needs values in one of the ways torch reports on meta tensors."""
+
+    def __init__(self, read: str):
+        super().__init__()
+        self.gate, self.read = nn.Linear(8, 4), read
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)
+        if self.read == "bincount":  # an MoE router's tokens per expert: "with Meta tensors"
+            return logits * torch.bincount(logits.argmax(-1), minlength=4).float()
+        if self.read == "unique":
+            return logits * torch.unique(logits.argmax(-1)).numel()
+        if self.read == "numpy":  # TypeError: "can't convert meta device type tensor to numpy"
+            return logits * float(logits.numpy()[0, 0])
+        return logits * logits[0, 0].item()
+
+
+@pytest.mark.parametrize("read", ["item", "bincount", "unique", "numpy"])
+def test_value_reads_on_meta_are_retried_per_call(read):
+    from lightning_mp.partition import trace  # noqa: PLC0415
+    from lightning_mp.strategy._delayed import MetaInputs, needs_real_values  # noqa: PLC0415
+
+    inputs = MetaInputs(lambda batch: batch)
+    with delay_param_initialization():
+        model = _ReadsValues(read)
+    with pytest.raises(RuntimeError) as failed:
+        trace(model, lambda: model(inputs(_sample())))
+    assert needs_real_values(inputs, failed.value)
+
+
+def test_an_error_that_only_mentions_metadata_is_not_retried():
+    from lightning_mp.strategy._delayed import MetaInputs, needs_real_values  # noqa: PLC0415
+
+    err = RuntimeError("tracing the model failed: the traced run raised KeyError: 'metadata'")
+    assert not needs_real_values(MetaInputs(lambda batch: batch), err)
+    assert needs_real_values(MetaInputs(lambda batch: batch), RuntimeError("Tensor.item() on meta tensors"))
+
+
+def test_a_model_built_in_two_delayed_blocks_fails_once_and_the_teardown_adds_none():
+    output = _failed_script_output("delayed_two_blocks.py")
+    assert output.count("ValueError: The model was built in 2 separate") == 1, output[-4000:]
+
+
+class _PositionTable(nn.Module):
+    """Learned positions returned as a view of the module's own parameter (GPT/ViT position tables)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(16, 8))
+
+    def forward(self, length: int) -> torch.Tensor:
+        return self.table[:length]
+
+
+class _ViewsAWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pos, self.lin = _PositionTable(), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.pos(x.size(0))
+        try:  # a module called inside an `except` block that handles an error of the user's own
+            raise KeyError("no cache")
+        except KeyError:
+            return self.lin(h) if h[0, 0].item() > -100 else h
+
+
+def test_an_output_that_views_its_modules_weight_keeps_it_and_a_handled_error_names_no_module():
+    """Per-call materialisation: ``self.table[:T]`` is read after ``pos``'s call (its storage was freed: SIGSEGV
+    before), and ``lin`` called inside the user's ``except`` block is not recorded as the failing module."""
+    torch.manual_seed(0)
+    eager = _ViewsAWeight()
+    torch.manual_seed(0)
+    with delay_param_initialization():
+        model = _ViewsAWeight()
+    x = _sample()
+    with materialize_per_call(model) as report:
+        out = model(x)
+    torch.testing.assert_close(out, eager(x), rtol=0, atol=0)
+    assert report.failed_in is None

@@ -7,9 +7,11 @@ same model on one process with the same seed: loss, logits and every gradient. T
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
+import warnings
 
 import pytest
 import torch
@@ -75,7 +77,17 @@ def _worker(rank: int, world: int, name: str, attn: str) -> dict:
 
 @pytest.mark.parametrize(("name", "attn"), [("gpt2", "eager"), ("gpt2", "sdpa"), ("llama", "eager"), ("llama", "sdpa")])
 def test_dropout_at_tp2_draws_one_process_masks(name, attn):
-    for result in run_distributed(_worker, 2, name, attn, start_method="fork"):
+    _check_one_process(run_distributed(_worker, 2, name, attn, start_method="fork"))
+
+
+def test_gpt2_dropout_at_tp4_where_c_fc_width_is_the_replicated_width():
+    """At tp=4 ``c_fc``'s local width 4C/4 equals C: the residual dropout on ``(B, T, C)`` after ``c_proj`` is
+    replicated (it raised before), the attention weights ``(B, 1, T, T)`` one process's heads: equal to tp=1."""
+    _check_one_process(run_distributed(_worker, 4, "gpt2", "eager", start_method="fork"))
+
+
+def _check_one_process(results: list[dict]) -> None:
+    for result in results:
         loss, ref_loss = result["loss"]
         assert abs(ref_loss - result["no_dropout"]) > 1e-3, "dropout is on and changes the loss"
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
@@ -84,10 +96,54 @@ def test_dropout_at_tp2_draws_one_process_masks(name, attn):
             torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"grad {n}: {m}")
 
 
-def _region(local: int, replicated: int, fused: int = 0, rank: int = 1) -> ShardedRandomRegion:
-    return ShardedRandomRegion(
-        "h.0.mlp", TPGroup(None, rank, 2), frozenset({local}), frozenset({replicated}), frozenset({fused} - {0})
+class _ChannelsLastMLP(torch.nn.Module):
+    def __init__(self, fc1: torch.nn.Module, fc2: torch.nn.Module):
+        super().__init__()
+        self.fc1, self.fc2, self.drop = fc1, fc2, torch.nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc2(self.drop(torch.relu(self.fc1(x)))))
+
+
+def _channels_last_worker(rank: int, world: int):
+    from lightning_mp.nn import DistributedLinear  # noqa: PLC0415
+    from lightning_mp.tp._random import install_sharded_random  # noqa: PLC0415
+
+    tp = TPGroup.of(dist.group.WORLD)
+    torch.manual_seed(0)
+    ref = _ChannelsLastMLP(torch.nn.Linear(16, 64), torch.nn.Linear(64, 16))
+    model = _ChannelsLastMLP(
+        DistributedLinear(16, 64, tp=tp, parallel="column"), DistributedLinear(64, 16, tp=tp, parallel="row")
     )
+    model.load_state_dict(ref.state_dict())
+    assert install_sharded_random(model, tp) == [""]
+    x = torch.randn(2, 4, 3, 16)
+    outs = []
+    for net in (ref, model):
+        torch.manual_seed(1)
+        outs.append(net(x).detach())
+    return outs
+
+
+def test_channels_last_mlp_draws_one_process_masks():
+    """An MLP region on 4-D channels-last ``(B, H, W, C)`` activations (no head size): the hidden ``(B, H, W, 4C)``
+    is sharded on its last dim and the output after the row-parallel layer replicated, equal on both ranks and to
+    one process (before, every 4-D tensor counted as attention weights sharded on dim 1: the ranks diverged)."""
+    (ref0, got0), (ref1, got1) = run_distributed(_channels_last_worker, 2, start_method="fork")
+    torch.testing.assert_close(got0, got1, rtol=0, atol=0)
+    torch.testing.assert_close(got0, ref0, rtol=1e-5, atol=1e-6)
+
+
+def _region(local: int, replicated: int, fused: int = 0, rank: int = 1, heads: int = 2) -> ShardedRandomRegion:
+    return ShardedRandomRegion(
+        "h.0.mlp", TPGroup(None, rank, 2), frozenset({local}), frozenset({replicated}), frozenset({fused} - {0}),
+        frozenset({heads} - {0}),
+    )
+
+
+def _push_after_column(region: ShardedRandomRegion) -> None:
+    """Enter ``region`` as its call does once a column-parallel child has run (its outputs may be sharded)."""
+    _push(region).column_ran = True
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -106,7 +162,7 @@ def test_masks_are_bitwise_the_slice_of_one_process_masks(rank, attn):
     expected, expected_next = draw(full), torch.rand(3)
     local = full[:, 2 * rank : 2 * rank + 2].clone()
     torch.manual_seed(5)
-    _push(_region(local=32, replicated=16, rank=rank))
+    _push_after_column(_region(local=32, replicated=16, rank=rank))
     try:
         got = draw(local)
     finally:
@@ -123,7 +179,7 @@ def test_per_rank_streams_differ_between_ranks_and_leave_the_shared_stream_alike
     for rank in (0, 1):
         region = dataclasses.replace(_region(local=32, replicated=16, rank=rank), per_rank=True)
         torch.manual_seed(5)
-        _push(region)
+        _push_after_column(region)
         try:
             masks.append(torch.nn.functional.dropout(torch.ones(2, 2, 8, 8), 0.5, training=True))
         finally:
@@ -134,7 +190,7 @@ def test_per_rank_streams_differ_between_ranks_and_leave_the_shared_stream_alike
 
 
 def test_a_draw_that_depends_on_sharded_values_raises():
-    _push(_region(local=32, replicated=16))
+    _push_after_column(_region(local=32, replicated=16))
     try:
         with pytest.raises(ValueError, match=r"aten.bernoulli.default in tensor-parallel region 'h.0.mlp' drew"):
             torch.bernoulli(torch.full((2, 2, 4, 4), 0.5))
@@ -146,12 +202,48 @@ def test_a_draw_that_depends_on_sharded_values_raises():
 def test_region_layout_rules():
     region = _region(local=32, replicated=16, fused=24)
     assert region.sharded_dim(torch.Size([2, 2, 8, 8]), "op") == 1  # attention weights: heads
+    assert region.sharded_dim(torch.Size([2, 3, 8, 8]), "op") is None  # dim 1 is no local head count
+    assert _region(32, 16, heads=0).sharded_dim(torch.Size([2, 2, 8, 8]), "op") is None  # head count unknown
     assert region.sharded_dim(torch.Size([2, 8, 32]), "op") == 2  # a column-parallel output
     assert region.sharded_dim(torch.Size([2, 8, 16]), "op") is None  # replicated
     with pytest.raises(ValueError, match="fused column-parallel output"):
         region.sharded_dim(torch.Size([2, 8, 24]), "op")
-    with pytest.raises(ValueError, match="last dim 16 is both a sharded width"):
-        _region(local=16, replicated=16).sharded_dim(torch.Size([2, 8, 16]), "aten.bernoulli_.float")
+
+
+@pytest.mark.parametrize(("local", "fused"), [(16, 0), (0, 16)], ids=["gpt2-c_fc-tp4", "gpt2-c_attn-tp3"])
+def test_a_width_both_sharded_and_replicated_draws_from_the_shared_stream(local, fused):
+    """GPT-2 with its default dropout at tp=4 (``c_fc``'s local width 4C/4 == C) and tp=3 (fused ``c_attn``'s
+    3C/3 == C): the residual dropout after the row-parallel ``c_proj`` on ``(B, T, C)`` is replicated, so every
+    rank draws the same mask, silently; the same width before any row-parallel child ran warns once (it may be
+    sharded) and is drawn alike too. An op before the first column-parallel child is replicated."""
+    region = dataclasses.replace(_region(local=local, replicated=16, fused=fused), name=f"h.0.{local}.{fused}")
+    x = torch.ones(2, 8, 16)
+    masks = []
+    for rank in (0, 1):
+        torch.manual_seed(5)
+        call = _push(dataclasses.replace(region, tp=TPGroup(None, rank, 2)))
+        try:
+            before_column = torch.nn.functional.dropout(x, P)
+            call.column_ran = True
+            with pytest.warns(UserWarning, match="both a sharded width") if rank == 0 else _no_warning():
+                ambiguous = torch.nn.functional.dropout(x, P)
+            call.row_ran_since = True
+            with _no_warning():
+                after_row = torch.nn.functional.dropout(x, P)
+        finally:
+            _pop()
+        masks.append(torch.stack([before_column, ambiguous, after_row]))
+    torch.manual_seed(5)
+    expected = torch.stack([torch.nn.functional.dropout(x, P) for _ in range(3)])
+    assert torch.equal(masks[0], expected)
+    assert torch.equal(masks[1], expected)
+
+
+@contextlib.contextmanager
+def _no_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        yield
 
 
 # ---- Trainer.fit: tp=2 against tp=1 at the same microbatching -----------------------------------------------------
@@ -191,3 +283,36 @@ def test_fit_with_dropout_at_tp2_equals_tp1(tmp_path, monkeypatch, name):
 def test_tp_random_streams_is_checked():
     with pytest.raises(ValueError, match="`tp_random_streams` must be 'one_process' or 'per_rank', got 'megatron'"):
         lightning_mp.SMPStrategy(tensor_parallel_degree=2, tp_random_streams="megatron")
+
+
+class _ModeProbe(torch.nn.Module):
+    """A region (a column-parallel child, never called here) that records the dispatch mode its call runs under."""
+
+    def __init__(self, p: float, attention_dropout: float):
+        from lightning_mp.nn import DistributedLinear  # noqa: PLC0415
+
+        super().__init__()
+        self.fc = DistributedLinear(8, 16, tp=TPGroup(None, 0, 2), parallel="column")
+        self.drop, self.attention_dropout = torch.nn.Dropout(p), attention_dropout
+
+    def forward(self, x: torch.Tensor):
+        from torch.utils._python_dispatch import _get_current_dispatch_mode  # noqa: PLC0415
+
+        return _get_current_dispatch_mode()
+
+
+@pytest.mark.parametrize(
+    ("p", "attention_dropout", "training", "on"),
+    [(0.1, 0.0, True, True), (0.0, 0.1, True, True), (0.0, 0.0, True, False), (0.1, 0.1, False, False)],
+)
+def test_the_draw_mode_is_on_only_while_the_region_can_draw(p, attention_dropout, training, on):
+    """The dispatch mode costs time on every op (a slower forward and backward): it is entered only in training
+    with a dropout rate above 0 (an ``nn.Dropout``'s ``p`` or a float "drop" attribute)."""
+    from lightning_mp.tp._random import install_sharded_random, remove_sharded_random  # noqa: PLC0415
+
+    probe = _ModeProbe(p, attention_dropout).train(training)
+    assert install_sharded_random(probe, probe.fc.tp) == [""]
+    try:
+        assert (probe(torch.ones(1)) is not None) is on
+    finally:
+        remove_sharded_random(probe)

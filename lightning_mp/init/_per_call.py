@@ -13,7 +13,9 @@ generator's state before each random op (about 5 KB per op); a module's replay t
 need, each random one from its recorded state. CPU builds only: a build under a CUDA device is refused.
 
 A real weight is freed after its module's call by shrinking its storage to zero bytes (FSDP's way to free a
-parameter that the autograd graph of the traced step still references); the trace runs no backward.
+parameter that the autograd graph of the traced step still references); the trace runs no backward. A weight
+that the call's output views (``self.table[:T]``, ``self.latents.expand(...)``) is not shrunk: it is freed with
+that output.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from lightning_mp.init._record import InitRecord, TensorRef, find_record
 from lightning_mp.init._replay import advance_rng, replay
@@ -73,6 +76,7 @@ class _PerCall:
         self.names: dict[int, str] = {}
         self.depth: dict[int, int] = {}
         self.real: dict[int, list[torch.Tensor]] = {}
+        self.handling: list[BaseException | None] = []  # per call on the stack: the error being handled at entry
         self.report = PerCallReport()
         seen: set[int] = set()
         for fqn, module in model.named_modules():
@@ -91,6 +95,7 @@ class _PerCall:
     def pre_hook(self, module: nn.Module, args: tuple) -> None:
         key = id(module)
         self.report.stack.append(self.names.get(key, type(module).__name__))
+        self.handling.append(sys.exc_info()[1])
         self.depth[key] = self.depth.get(key, 0) + 1
         slots = self.slots.get(key)
         if self.depth[key] > 1 or not slots:
@@ -113,7 +118,9 @@ class _PerCall:
     def post_hook(self, module: nn.Module, args: tuple, output: object) -> None:
         key = id(module)
         name = self.report.stack.pop()
-        if self.report.failed_in is None and sys.exc_info()[0] is not None:  # called while the call's error unwinds
+        handled_at_entry = self.handling.pop()
+        error = sys.exc_info()[1]  # the call's own error while it unwinds (not one an `except` around it handles)
+        if self.report.failed_in is None and error is not None and error is not handled_at_entry:
             self.report.failed_in = name
         self.depth[key] -= 1
         if self.depth[key] or key not in self.real:
@@ -122,8 +129,10 @@ class _PerCall:
             getattr(module, slot.kind)[slot.name] = slot.meta
         reals = self.real.pop(key)
         self.report.live_bytes -= _bytes(reals)
+        viewed = {t.untyped_storage().data_ptr() for t in tree_leaves(output) if isinstance(t, torch.Tensor)}
         for value in reals:
-            value.untyped_storage().resize_(0)  # the traced step's graph may still reference it
+            if value.untyped_storage().data_ptr() not in viewed:  # an output that views it keeps it (freed with it)
+                value.untyped_storage().resize_(0)  # the traced step's graph may still reference it
 
 
 def _bytes(tensors: list[torch.Tensor]) -> int:

@@ -56,7 +56,7 @@ class DistributedAttention(TPModule):
         n_embd: ``C``.
         n_head: ``nh``; must divide by the tp degree.
         tp: the tensor-parallel group.
-        dropout: on the attention weights (drawn per rank on its own heads) and the output.
+        dropout: on the attention weights (one process's mask, sliced to this rank's heads) and the output.
         causal: mask future positions.
         bias: biases in the projections.
         optimize: ``"speed"`` (replicated input/output) or ``"memory"`` (sequence-split ``(B, T / tp, C)``).

@@ -10,6 +10,8 @@ modules' buffers, which run everywhere) is materialised by replaying the record.
 
 from __future__ import annotations
 
+import itertools
+import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -22,12 +24,26 @@ from lightning_mp.init import MaterializeReport, find_record, materialize_module
 
 T = TypeVar("T")
 
-__all__ = ["MetaInputs", "is_delayed", "materialize_stage", "meta_trace_inputs", "needs_real_values", "trace_per_call"]
+__all__ = [
+    "MetaInputs",
+    "holds_meta_tensors",
+    "is_delayed",
+    "materialize_stage",
+    "meta_trace_inputs",
+    "needs_real_values",
+    "trace_per_call",
+]
 
 
 def is_delayed(model: nn.Module) -> bool:
     """Whether ``model`` was built under delayed init and is not materialised yet."""
     return find_record(model) is not None
+
+
+def holds_meta_tensors(model: nn.Module) -> bool:
+    """Whether a parameter or buffer of ``model`` is on the meta device (a delayed-init model not materialised;
+    unlike :func:`is_delayed`, never raises for a model whose record is unusable)."""
+    return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
 
 
 class MetaInputs:
@@ -46,10 +62,18 @@ def meta_trace_inputs(to_device: Callable[[Any], Any]) -> MetaInputs:
     return MetaInputs(to_device)
 
 
+# "meta" as a word of its own, any case: torch's "cannot be called on meta tensors", "with Meta tensors" (bincount,
+# unique), "meta device type tensor" (.numpy()), "register_meta function" (nonzero); not "metadata".
+_META_WORD = re.compile(r"(?<![a-z])meta(?![a-z])", re.IGNORECASE)
+
+
 def needs_real_values(inputs: Callable[[Any], Any], err: BaseException) -> bool:
-    """Whether a meta trace failed because the step needs tensor values (``.item()``, ``if tensor:``, ...)."""
+    """Whether a meta trace failed because the step needs tensor values (``.item()``, ``if tensor:``, ``.numpy()``,
+    data-dependent ops such as ``bincount``, ``unique``, ``nonzero``): torch's error, of any type, names meta
+    tensors. A failure whose message does not (``repeat_interleave`` checking sizes against meta values) is not
+    retried."""
     cause = err.__cause__ or err
-    return isinstance(inputs, MetaInputs) and "meta" in f"{err} {cause}"
+    return isinstance(inputs, MetaInputs) and _META_WORD.search(f"{err} {cause}") is not None
 
 
 def trace_per_call(

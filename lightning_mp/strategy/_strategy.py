@@ -70,7 +70,7 @@ from lightning_mp.strategy._placement import (
     single_stage_plan,
     trace_in_child,
 )
-from lightning_mp.strategy._delayed import is_delayed, materialize_stage, meta_trace_inputs
+from lightning_mp.strategy._delayed import holds_meta_tensors, is_delayed, materialize_stage, meta_trace_inputs
 from lightning_mp.strategy._step import (
     GradientStash,
     LogRecorder,
@@ -938,7 +938,7 @@ class SMPStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
         module = self.lightning_module
-        if module is None or not is_delayed(module):
+        if module is None or not holds_meta_tensors(module):
             super().teardown()
             return
         # a setup that failed before materialisation: the model is still on meta and Lightning's move to CPU would

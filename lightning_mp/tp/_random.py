@@ -16,32 +16,51 @@ its regions, which draws only the local shard (``1 / tp`` of the numbers) but ca
 the option ``tp_random_streams="per_rank"`` here (each rank's stream seeded from one number of the call's stream
 and the tp rank), for layers where the full-size draw costs too much (``benchmarks/tp_dropout.py``).
 
-Which tensors are sharded is decided from the layout the region's children give (the same rule on every rank):
+The dispatch mode that does this is on only while a region *can draw*: the region module is in training and
+one of its dropout rates (and its descendants') is above 0: ``p`` of an ``nn.Dropout``-like module, or a float
+attribute whose name holds "drop" (``attention_dropout``, ``dropout``, ``attn_pdrop``, ``drop_path_rate``). A
+region without one (eval, dropout 0) runs without the mode, at no cost; a random op in it whose rate has another
+name draws from the shared stream (every rank the same numbers for its shard).
 
-* a 4-D tensor is ``(B, heads, T, S)`` (every torch and transformers attention, SDPA's math path included):
-  sharded on dim 1, the full tensor has ``tp`` times the heads;
-* a tensor whose last dim is the local output width of one of the region's column-parallel children (a
-  hidden activation between column and row): sharded on its last dim. If that width is also the region's
-  replicated width (a column child's ``in_features``), the layout is ambiguous and the op raises;
-* any other tensor is replicated (e.g. GPT-2's ``resid_dropout`` after the row-parallel ``c_proj``).
+Which tensors are sharded is decided from where the op sits in the region's call and the layout the region's
+children give (the same rule on every rank). When a tensor is not certainly sharded, it is treated as
+replicated (the shared stream: every rank draws the same mask, so replicated activations stay equal):
+
+* before the region's first column-parallel child has run in this call: replicated (e.g. an embedding dropout
+  in a model whose root holds a column-parallel head);
+* a 4-D tensor whose dim 1 is one of the region's local head counts (the region module's ``head_dim`` or
+  ``head_size`` attribute dividing a column child's local width per part): the attention weights
+  ``(B, heads, T, S)``, sharded on dim 1, the full tensor has ``tp`` times the heads. Without a head size (an
+  MLP on channels-last ``(B, H, W, C)`` activations) the rule below applies to every tensor;
+* a tensor whose last dim is the local output width of one of the region's column-parallel children (a hidden
+  activation between column and row): sharded on its last dim. If that width is also the region's replicated
+  width (a column child's ``in_features``: GPT-2's ``c_fc`` at tp=4, its fused ``c_attn`` at tp=3), which
+  one it is cannot be told from the shape: it is drawn from the shared stream; after a row-parallel child ran
+  (and no column-parallel one since: GPT-2's ``resid_dropout`` after ``c_proj``) silently, as it is the row's
+  replicated output, otherwise with a warning once on global rank 0 naming the region and the op;
+* any other tensor is replicated.
 
 Random ops whose result depends only on the tensor's shape (``bernoulli_`` with a float ``p``, ``uniform_``,
 ``normal_``, ``rand_like``, ``native_dropout``, ...) are drawn in full. One that depends on the values of a
 sharded tensor (``bernoulli`` of a probability tensor, ``multinomial``), or draws inside a fused kernel (CUDA's
 flash attention with dropout; CPU's fused kernels take no dropout), raises, naming the op and the module (a seeded
 op that drew nothing, such as a fused attention without dropout, is left alone).
-Not covered: sequence-parallel activations (``optimize="memory"``) outside the attention weights, and random
-ops outside regions on sharded tensors (a column-parallel layer called from a module of its own).
+Not covered: random ops that take a shape rather than a tensor (``torch.rand(x.shape)``, ``randn``,
+``randint``, ``randperm``: every rank draws the same numbers, as without this module), sequence-parallel
+activations (``optimize="memory"``) outside the attention weights, and random ops outside regions on sharded tensors (a column-parallel layer called from a module of its own).
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.modules.dropout import _DropoutNd
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
@@ -67,12 +86,13 @@ class ShardedRandomRegion:
     """The layout of one tensor-parallel region's activations (see [Note: random numbers under tensor parallelism]).
 
     Attributes:
-        name: the region module's FQN (for errors).
+        name: the region module's FQN (for errors and warnings).
         tp: the tensor-parallel group.
         local_widths: local output widths of the region's column-parallel children (sharded last dims).
         replicated_widths: input widths of those children (the region's replicated activations).
         fused_widths: local output widths of fused children (``parts > 1``, e.g. q/k/v: ``[q_r, k_r, v_r]`` is no
             slice of one tensor, so a random op on it raises).
+        local_heads: the region's local head counts (dim 1 of its 4-D attention weights); empty when unknown.
         per_rank: draw sharded tensors from a stream of this tp rank's own (``streams="per_rank"``).
     """
 
@@ -81,38 +101,72 @@ class ShardedRandomRegion:
     local_widths: frozenset[int]
     replicated_widths: frozenset[int]
     fused_widths: frozenset[int] = frozenset()
+    local_heads: frozenset[int] = frozenset()
     per_rank: bool = False
 
-    def sharded_dim(self, shape: torch.Size, op: str) -> int | None:
-        """The dim along which a tensor of local ``shape`` is split over the tp group, or ``None`` (replicated).
+    def sharded_dim(self, shape: torch.Size, op: str, *, warn: bool = True) -> int | None:
+        """The dim along which a tensor of local ``shape`` (made after a column-parallel child ran) is split over
+        the tp group, or ``None`` (replicated, or not certainly sharded: then warns once on global rank 0 if
+        ``warn``; the region's call passes ``warn=False`` after a row-parallel child ran, whose output is
+        replicated).
 
         Raises:
-            ValueError: if the last dim is both a sharded and a replicated width of this region.
+            ValueError: if the last dim is only a fused column-parallel output width.
         """
-        if len(shape) == 4:
+        if len(shape) == 4 and shape[1] in self.local_heads:
             return 1
-        if shape and shape[-1] in self.fused_widths - self.local_widths:
+        last = shape[-1] if shape else None
+        if last in self.replicated_widths:
+            if warn and last in self.local_widths | self.fused_widths:
+                _warn_once(
+                    (self.name, op),
+                    f"{op} in tensor-parallel region {self.name!r} on a tensor of shape {tuple(shape)}: its last dim"
+                    f" {last} is both a sharded width (a column-parallel output) and the replicated width, so it is"
+                    " drawn as replicated (the same mask on every tp rank); if it is sharded, its mask is not one"
+                    " process's. Draw it outside the region or give the column-parallel layer another width.",
+                )
+            return None
+        if last in self.fused_widths - self.local_widths:
             raise ValueError(
                 f"{op} in tensor-parallel region {self.name!r} on a tensor of shape {tuple(shape)}: its last dim is a"
                 " fused column-parallel output (blocks such as q/k/v, each split), which is no slice of the tensor"
                 " one process draws for. Draw it after splitting the blocks, or outside the region."
             )
-        if shape and shape[-1] in self.local_widths:
-            if shape[-1] in self.replicated_widths:
-                raise ValueError(
-                    f"{op} in tensor-parallel region {self.name!r} on a tensor of shape {tuple(shape)}: its last dim"
-                    f" {shape[-1]} is both a sharded width (a column-parallel output) and the replicated width, so"
-                    " which numbers one process would draw is ambiguous. Draw it outside the region (after the"
-                    " row-parallel layer) or give the column-parallel layer another width."
-                )
+        if last in self.local_widths:
             return len(shape) - 1
         return None
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _warn_once(key: tuple[str, str], message: str) -> None:
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        warnings.warn(message, stacklevel=2)
+
+
+@dataclass
+class _RegionCall:
+    """One call of a region: whether a column-parallel child has run, and whether a row-parallel one ran since."""
+
+    region: ShardedRandomRegion
+    can_draw: bool = True
+    column_ran: bool = False
+    row_ran_since: bool = False
+
+    def sharded_dim(self, tensor: Tensor, op: str) -> int | None:
+        if not self.column_ran:
+            return None
+        return self.region.sharded_dim(tensor.shape, op, warn=not self.row_ran_since)
 
 
 _LOCAL = threading.local()
 
 
-def _regions() -> list[ShardedRandomRegion]:
+def _regions() -> list[_RegionCall]:
     stack = getattr(_LOCAL, "regions", None)
     if stack is None:
         stack = _LOCAL.regions = []
@@ -126,8 +180,9 @@ class _ShardedDrawMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if torch.Tag.nondeterministic_seeded not in func.tags or not args or not isinstance(args[0], Tensor):
             return func(*args, **kwargs)
-        region = _regions()[-1]
-        dim = region.sharded_dim(args[0].shape, str(func))
+        call = _regions()[-1]
+        region = call.region
+        dim = call.sharded_dim(args[0], str(func))
         if dim is None:
             return func(*args, **kwargs)
         if region.per_rank:
@@ -184,19 +239,22 @@ def _draw_per_rank(func, args: tuple, kwargs: dict, region: ShardedRandomRegion)
         _set_states(shared)
 
 
-def _push(region: ShardedRandomRegion) -> None:
-    """Enter a region on this thread (the draw mode is on while any region is)."""
+def _push(region: ShardedRandomRegion, can_draw: bool = True) -> _RegionCall:
+    """Enter a region on this thread; returns the call's record. The draw mode is on while a region that
+    ``can_draw`` is (a call that cannot draw pays no dispatch, yet keeps its layout for a random op inside)."""
     stack = _regions()
-    if not stack:
+    call = _RegionCall(region, can_draw=can_draw)
+    if can_draw and not any(c.can_draw for c in stack):
         _LOCAL.mode = _ShardedDrawMode()
         _LOCAL.mode.__enter__()
-    stack.append(region)
+    stack.append(call)
+    return call
 
 
 def _pop() -> None:
     stack = _regions()
-    stack.pop()
-    if not stack:
+    call = stack.pop()
+    if call.can_draw and not any(c.can_draw for c in stack):
         _LOCAL.mode.__exit__(None, None, None)
         _LOCAL.mode = None
 
@@ -204,22 +262,51 @@ def _pop() -> None:
 @dataclass
 class _Installed:
     region: ShardedRandomRegion
-    handles: tuple[RemovableHandle, RemovableHandle]
+    handles: tuple[RemovableHandle, ...]
+    draw_rates: tuple[tuple[nn.Module, str], ...]  # (module, attribute) pairs that say how much it drops
+
+    def can_draw(self, module: nn.Module) -> bool:
+        """``module`` in training and one of its dropout rates above 0 (see :func:`_draw_rates`)."""
+        return module.training and any(m.training and getattr(m, a) > 0 for m, a in self.draw_rates)
+
+
+def _draw_rates(module: nn.Module) -> tuple[tuple[nn.Module, str], ...]:
+    """The dropout rates in ``module`` and below: ``p`` of each ``nn.Dropout``-like module, and every float
+    attribute whose name holds "drop" (``attention_dropout``, ``dropout``, ``attn_pdrop``, ``drop_path_rate``)."""
+    rates = []
+    for m in module.modules():
+        if isinstance(m, _DropoutNd):
+            rates.append((m, "p"))
+        rates.extend((m, name) for name, v in vars(m).items() if "drop" in name.lower() and type(v) is float)
+    return tuple(rates)
 
 
 def _pre_hook(module: nn.Module, args: tuple) -> None:
-    _push(module._lmp_sharded_random.region)
+    installed = module._lmp_sharded_random
+    _push(installed.region, installed.can_draw(module))
 
 
 def _post_hook(module: nn.Module, args: tuple, output) -> None:
     _pop()
 
 
+def _column_ran(module: nn.Module, args: tuple, output) -> None:
+    stack = _regions()
+    if stack:
+        stack[-1].column_ran, stack[-1].row_ran_since = True, False
+
+
+def _row_ran(module: nn.Module, args: tuple, output) -> None:
+    stack = _regions()
+    if stack:
+        stack[-1].row_ran_since = True
+
+
 def install_sharded_random(root: nn.Module, tp: TPGroup, streams: RandomStreams = "one_process") -> list[str]:
     """Make random ops on sharded activations draw as ``streams`` says (see the Note); returns the regions' FQNs.
 
     A region is a module with a direct child that is a column-parallel ``DistributedLinear`` without
-    ``gather_output``. Does nothing at ``tp.size == 1``. Installing again on a module changes its ``streams``.
+    ``gather_output``; its calls draw this way while it can draw (see the Note). Does nothing at ``tp.size == 1``. Installing again on a module changes its ``streams``.
 
     Args:
         root: the model after its tensor-parallel swap.
@@ -245,21 +332,19 @@ def install_sharded_random(root: nn.Module, tp: TPGroup, streams: RandomStreams 
         ]
         if not columns:
             continue
-        region = ShardedRandomRegion(
-            name=fqn,
-            tp=tp,
-            local_widths=frozenset(_local_width(c) for c in columns if _parts(c) == 1),
-            replicated_widths=frozenset(c.in_features for c in columns),
-            fused_widths=frozenset(_local_width(c) for c in columns if _parts(c) > 1),
-            per_rank=streams == "per_rank",
-        )
+        region = _region_of(fqn, module, columns, tp, per_rank=streams == "per_rank")
         installed = getattr(module, "_lmp_sharded_random", None)
         if installed is not None:
             installed.region = region
         else:
-            pre = module.register_forward_pre_hook(_pre_hook)
-            post = module.register_forward_hook(_post_hook, always_call=True)  # also when the call raises
-            module._lmp_sharded_random = _Installed(region, (pre, post))
+            rows = [c for c in module.children() if isinstance(c, DistributedLinear) and c.parallel == "row"]
+            handles = (
+                module.register_forward_pre_hook(_pre_hook),
+                module.register_forward_hook(_post_hook, always_call=True),  # also when the call raises
+                *(c.register_forward_hook(_column_ran) for c in columns),
+                *(c.register_forward_hook(_row_ran) for c in rows),
+            )
+            module._lmp_sharded_random = _Installed(region, handles, _draw_rates(module))
         names.append(fqn)
     return names
 
@@ -276,6 +361,22 @@ def remove_sharded_random(root: nn.Module) -> list[str]:
             del module._lmp_sharded_random
             names.append(fqn)
     return names
+
+
+def _region_of(fqn: str, module: nn.Module, columns: list, tp: TPGroup, *, per_rank: bool) -> ShardedRandomRegion:
+    """The layout of ``module``'s activations from its column-parallel children (and its head size, if any)."""
+    head_size = getattr(module, "head_dim", None) or getattr(module, "head_size", None)
+    part_widths = [_local_width(c) // _parts(c) for c in columns]
+    heads = [w // head_size for w in part_widths if isinstance(head_size, int) and w % head_size == 0]
+    return ShardedRandomRegion(
+        name=fqn,
+        tp=tp,
+        local_widths=frozenset(_local_width(c) for c in columns if _parts(c) == 1),
+        replicated_widths=frozenset(c.in_features for c in columns),
+        fused_widths=frozenset(_local_width(c) for c in columns if _parts(c) > 1),
+        local_heads=frozenset(heads),
+        per_rank=per_rank,
+    )
 
 
 def _local_width(linear: nn.Module) -> int:
