@@ -9,7 +9,9 @@ Each family ends as
 
 * ``matches``: at least one module swapped; logits, loss and every gradient within ``TOLERANCE`` (relative
   2-norm error, per tensor, against at least ``FLOOR`` x the largest gradient norm; modules left unswapped
-  stay replicated and are compared too);
+  stay replicated and are compared too) in float32, or, where float32 exceeds it and the family runs in
+  float64, within ``FLOAT64_TOLERANCE`` in float64 with every op in float64 (rounding amplified by an
+  ill-conditioned model shrinks with the precision; a defect does not);
 * ``refused``: nothing swapped; the swap names why (everything stays replicated and exact);
 * ``skipped``: the family cannot be built tiny (the reason is printed);
 * ``WRONG``: anything else (a mismatch, or a crash after the swap). A silent mismatch is a defect.
@@ -24,6 +26,7 @@ Run (3 to 6 minutes on 2 busy CPU cores for the whole zoo)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import logging
@@ -36,6 +39,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.overrides import TorchFunctionMode
 
 import lightning_mp
 from lightning_mp.tp import TPGroup, reduce_replicated_grads, shard, shard_spec
@@ -43,7 +47,12 @@ from lightning_mp.tp._hf import translate_hf
 from lightning_mp.tp._swap import swap_modules
 
 TOLERANCE = 1e-5
-"""Worst relative error (``|a - b| / |b|``, 2-norms, per tensor) a matching family may show."""
+"""Worst relative error (``|a - b| / |b|``, 2-norms, per tensor) a matching family may show in float32."""
+
+FLOAT64_TOLERANCE = 1e-10
+"""The same in float64, which decides a family beyond ``TOLERANCE`` in float32 that can run in float64: an
+ill-conditioned model amplifies rounding (Gemma4, scaling 1 on normalised q and k: 4e-5 in float32, 1e-13 in
+float64, against 4e-7 and 3e-16 for Llama); a defect does not shrink with the precision."""
 
 FLOOR = 1e-3
 """A gradient smaller than ``FLOOR`` x the model's largest gradient norm is compared against that instead."""
@@ -82,6 +91,7 @@ class Row:
     logits_error: float = float("nan")
     grad_error: float = float("nan")
     worst_grad: str = ""
+    dtype: str = "float32"
     reason: str = ""
 
 
@@ -133,9 +143,8 @@ def _shrink(config) -> None:
 def tiny_model(model_type: str, class_name: str, seed: int = 0):
     """The family's model, tiny, in float32 (``ValueError`` with the reason if it cannot be built).
 
-    float32, as trained (the MoE families' grouped matmul has no float64). Gemma4's attention (scaling 1 on
-    normalised q and k) is ill-conditioned: up to 3.9e-5 relative gradient error at tp=2 in float32, 9e-8 in float64
-    (where its eager softmax still runs in float32) against 1e-16 for Llama or Qwen3 in float64.
+    float32, as trained (the MoE families' grouped matmul has no float64); ``check_family`` moves it to float64
+    where float32 alone cannot decide.
     """
     import transformers
 
@@ -190,33 +199,62 @@ def _compare(model, ref, out, ref_out, tp: TPGroup) -> tuple[float, float, str]:
     return logits_error, worst, worst_name
 
 
+class _Float64Everywhere(TorchFunctionMode):
+    """Every float32 a model's code asks for (``.float()``, ``dtype=torch.float32``: an eager softmax's or a
+    norm's upcast) is float64 instead, so that a float64 model computes in float64 throughout."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        func = torch.Tensor.double if func is torch.Tensor.float else func
+        args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+        kwargs = {k: torch.float64 if v is torch.float32 else v for k, v in (kwargs or {}).items()}
+        return func(*args, **kwargs)
+
+
 def check_family(model_type: str, class_name: str, tp: TPGroup) -> Row:
-    """Build, swap, forward, backward and compare one family on this rank (every rank calls it together)."""
-    row = Row(model_type, class_name, "WRONG")
+    """Build, swap, forward, backward and compare one family on this rank (every rank calls it together): in
+    float32, and again in float64 where float32 exceeds ``TOLERANCE`` and the family runs in float64."""
+    row = _check_family(model_type, class_name, tp, torch.float32)
+    if row.verdict == "WRONG" and row.grad_error > TOLERANCE and row.logits_error <= TOLERANCE:
+        wide = _check_family(model_type, class_name, tp, torch.float64)
+        if wide.verdict != "skipped":  # skipped: no float64 path (a grouped matmul of experts); float32 decides
+            wide.dtype = f"float64 (float32: {row.grad_error:.1e})"
+            return wide
+    return row
+
+
+def _check_family(model_type: str, class_name: str, tp: TPGroup, dtype: torch.dtype) -> Row:
+    row = Row(model_type, class_name, "WRONG", dtype=str(dtype).removeprefix("torch."))
+    tolerance = FLOAT64_TOLERANCE if dtype == torch.float64 else TOLERANCE
     ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(1))
-    try:
-        model = tiny_model(model_type, class_name)
-        ref = copy.deepcopy(model)
-        ref_out = _reference(ref, ids)
-    except ValueError as err:
-        row.verdict, row.reason = "skipped", str(err)
-        return row
-    lightning_mp.set_tensor_parallelism(model)
-    try:
-        report = swap_modules(model, tp, translations=[translate_hf])
-        row.swapped, row.unswapped = len(report.swapped), dict(report.skipped)
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        reduce_replicated_grads(list(model.parameters()), tp.group)  # as the strategy does after backward
-        row.logits_error, row.grad_error, row.worst_grad = _compare(model, ref, out, ref_out, tp)
-    except Exception as err:  # noqa: BLE001 (a crash after the swap is a WRONG row with its message)
-        row.reason = _first_line(err)
-        return row
+    with _Float64Everywhere() if dtype == torch.float64 else contextlib.nullcontext():
+        try:
+            model = tiny_model(model_type, class_name).to(dtype)
+            ref = copy.deepcopy(model)
+            ref_out = _reference(ref, ids)
+        except ValueError as err:
+            row.verdict, row.reason = "skipped", str(err)
+            return row
+        lightning_mp.set_tensor_parallelism(model)
+        try:
+            return _swap_and_compare(row, model, ref, ref_out, ids, tp, tolerance)
+        except Exception as err:  # noqa: BLE001 (a crash after the swap is a WRONG row with its message)
+            row.reason = _first_line(err)
+            return row
+
+
+def _swap_and_compare(row: Row, model, ref, ref_out, ids: torch.Tensor, tp: TPGroup, tolerance: float) -> Row:
+    """Swap ``model``, run it, compare it with ``ref`` (one process) and fill ``row``'s errors and verdict."""
+    report = swap_modules(model, tp, translations=[translate_hf])
+    row.swapped, row.unswapped = len(report.swapped), dict(report.skipped)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    reduce_replicated_grads(list(model.parameters()), tp.group)  # as the strategy does after backward
+    row.logits_error, row.grad_error, row.worst_grad = _compare(model, ref, out, ref_out, tp)
     errors = torch.tensor([row.logits_error, row.grad_error], dtype=torch.float64)
     dist.all_reduce(errors, op=dist.ReduceOp.MAX, group=tp.group)
     row.logits_error, row.grad_error = errors.tolist()
-    if max(row.logits_error, row.grad_error) > TOLERANCE:
-        row.reason = f"worst gradient {row.worst_grad}" if row.grad_error > TOLERANCE else "logits or loss differ"
+    if max(row.logits_error, row.grad_error) > tolerance:
+        row.reason = f"worst gradient {row.worst_grad}" if row.grad_error > tolerance else "logits or loss differ"
     elif row.swapped:
         row.verdict = "matches"
     else:
@@ -286,15 +324,15 @@ def run_zoo(chosen: dict[str, str]) -> list[Row]:
 def table(rows: list[Row]) -> str:
     """A Markdown table of ``rows`` and a count per verdict."""
     lines = [
-        "| family | class | swapped | left unswapped (why) | logits rel. err | worst grad rel. err | verdict |",
-        "|---|---|---|---|---|---|---|",
+        "| family | class | swapped | left unswapped (why) | dtype | logits rel. err | worst grad rel. err | verdict |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         unswapped = "; ".join(sorted({why[:90] for why in r.unswapped.values()}))
         unswapped = f"{len(r.unswapped)}: {unswapped}" if r.unswapped else "0"
         verdict = f"{r.verdict} ({r.reason})" if r.reason and r.verdict != "matches" else r.verdict
         lines.append(
-            f"| {r.family} | {r.model_class} | {r.swapped} | {unswapped} | {r.logits_error:.1e} |"
+            f"| {r.family} | {r.model_class} | {r.swapped} | {unswapped} | {r.dtype} | {r.logits_error:.1e} |"
             f" {r.grad_error:.1e} | {verdict} |"
         )
     counts = {v: sum(r.verdict == v for r in rows) for v in ("matches", "refused", "WRONG", "skipped")}
