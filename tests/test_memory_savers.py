@@ -439,7 +439,7 @@ def test_memory_savers_config_trains_through_the_cli(tmp_path):
     args = [
         sys.executable, "-m", "lightning_mp.cli", "fit", "--config", "configs/gpt_memory_savers.yaml",
         "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
-        "--trainer.enable_checkpointing", "false", "--trainer.default_root_dir", str(tmp_path),
+        "--trainer.default_root_dir", str(tmp_path),  # the config's ModelCheckpoint writes there
         "--data.init_args.max_bytes", "200000", "--model.init_args.n_layer", "2",
         "--trainer.devices", "2",  # pp=2 only: two processes keep the test short (sharding is tested above)
     ]
