@@ -44,7 +44,7 @@ def _blocks(width: int, heads: int, seq: int, attn: str, group: dist.ProcessGrou
 
     import lightning_mp
     from lightning_mp.tp import TPGroup
-    from lightning_mp.tp._hf import translate_hf
+    from lightning_mp.nn._hf import translate_hf
     from lightning_mp.tp._random import install_sharded_random, remove_sharded_random
     from lightning_mp.tp._swap import swap_modules
 

@@ -43,7 +43,7 @@ from torch.overrides import TorchFunctionMode
 
 import lightning_mp
 from lightning_mp.tp import TPGroup, reduce_replicated_grads, shard, shard_spec
-from lightning_mp.tp._hf import translate_hf
+from lightning_mp.nn._hf import translate_hf
 from lightning_mp.tp._swap import swap_modules
 
 TOLERANCE = 1e-5

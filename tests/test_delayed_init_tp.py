@@ -24,7 +24,7 @@ from torch import nn
 import lightning_mp
 from lightning_mp.init import delay_param_initialization, materialize_module
 from lightning_mp.tp import TPGroup, shard, shard_spec
-from lightning_mp.tp._hf import translate_hf
+from lightning_mp.nn._hf import translate_hf
 from lightning_mp.tp._swap import swap_modules
 from tests.test_delayed_init import BUILDS, _drop_other_stages, _stage_of, _tensors
 

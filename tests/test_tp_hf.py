@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 import lightning_mp  # noqa: E402
 from lightning_mp.tp import TPGroup, shard, shard_spec  # noqa: E402
-from lightning_mp.tp._hf import translate_hf  # noqa: E402
+from lightning_mp.nn._hf import translate_hf  # noqa: E402
 from lightning_mp.tp._swap import swap_modules  # noqa: E402
 from tests._dist import run_distributed  # noqa: E402
 

@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 import lightning_mp  # noqa: E402
 from lightning_mp.tp import TPGroup, grad_allreduce, shard_spec  # noqa: E402
-from lightning_mp.tp._hf import translate_hf  # noqa: E402
+from lightning_mp.nn._hf import translate_hf  # noqa: E402
 from lightning_mp.tp._swap import swap_modules  # noqa: E402
 from scripts.tp_zoo import _Float64Everywhere, families, run_zoo, select, table, tiny_model  # noqa: E402
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_mp import SMPConfig, SMPStrategy, Topology
-from lightning_mp.comm._transport import _unpack, gather, pack
+from lightning_mp.comm._wire import _unpack, gather, pack
 from lightning_mp.pipeline import MicrobatchSplitError, merge_microbatches, split_microbatches
 
 
@@ -238,3 +238,109 @@ def test_device_mesh_groups_use_the_strategy_timeout(tmp_path):
     error, peer_was_alive = run_distributed(_mesh_group_waits_for_timeout, 2, str(tmp_path / "flag"), start_method="fork")
     assert peer_was_alive is True, "rank 0 gave up only after its peer left: not the mesh group's timeout"
     assert "timed out" in error.lower() or "timeout" in error.lower(), error
+
+
+# The layers of lightning_mp, lowest first: a module may import its own layer or a lower one, never a higher one.
+# Only the last layer imports Lightning; the others are torch-only and usable without a Trainer.
+_LAYERS = (
+    ("config", "topology"),
+    ("comm", "partition", "init", "memory"),
+    ("pipeline",),
+    ("tp",),
+    ("nn",),
+    ("strategy",),
+    ("callbacks", "cli", "smp", ""),  # "" is the package face, lightning_mp/__init__.py
+)
+_LIGHTNING_LAYER = len(_LAYERS) - 2  # strategy/ and above
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the lightning_mp modules it imports (anywhere in the file, except under ``if TYPE_CHECKING:``)."""
+    import ast
+    import pathlib
+
+    import lightning_mp
+
+    root = pathlib.Path(lightning_mp.__file__).parent
+    files = {}
+    for path in root.rglob("*.py"):
+        parts = ("lightning_mp", *path.relative_to(root).with_suffix("").parts)
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def targets(node: ast.AST, package: str) -> list[str]:
+        if isinstance(node, ast.Import):
+            return [alias.name for alias in node.names]
+        if not isinstance(node, ast.ImportFrom):
+            return []
+        base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+        module = ".".join(base + ([node.module] if node.module else []))
+        return [f"{module}.{a.name}" if f"{module}.{a.name}" in files else module for a in node.names]
+
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        tree = ast.parse(path.read_text())
+        type_only = {
+            id(n)
+            for block in ast.walk(tree)
+            if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+            for stmt in block.body
+            for n in ast.walk(stmt)
+        }
+        graph[name] = {
+            target
+            for node in ast.walk(tree)
+            if id(node) not in type_only
+            for target in targets(node, package)
+            if target == "lightning" or target.startswith(("lightning.", "lightning_mp"))
+        }
+    return graph
+
+
+def _layer(module: str) -> int:
+    area = module.split(".")[1] if module.count(".") else ""
+    return next(index for index, names in enumerate(_LAYERS) if area in names)
+
+
+def _import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each a list of module names."""
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(node: str) -> None:
+        order[node] = low[node] = len(order)
+        stack.append(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in graph:
+                continue
+            if nxt not in order:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], order[nxt])
+        if low[node] == order[node]:
+            component = [stack.pop()]
+            while component[-1] != node:
+                component.append(stack.pop())
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in order:
+            visit(node)
+    return cycles
+
+
+def test_lightning_mp_imports_have_no_cycle_and_no_upward_arrow():
+    graph = _import_graph()
+    assert _import_cycles(graph) == []
+    upward = sorted(
+        f"{source} -> {target}"
+        for source, targets in graph.items()
+        for target in targets
+        if (target.startswith("lightning_mp") and _layer(target) > _layer(source))
+        or (not target.startswith("lightning_mp") and _layer(source) < _LIGHTNING_LAYER)
+    )
+    assert upward == []

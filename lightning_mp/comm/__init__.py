@@ -1,19 +1,13 @@
 """D2D communication: nested structures of tensors between ranks, and autograd across ranks."""
 
 from lightning_mp.comm._autograd import connect_remote_outputs, ragged_like
-from lightning_mp.comm._planes import (
-    DataPlaneError,
-    DataPlaneKind,
-    GlooDataPlane,
-    PairDataPlane,
-    PairGroups,
-    StrictMockError,
-    build_pair_groups,
-    make_data_plane,
-)
-from lightning_mp.comm._transport import Message, Packed, Transport, pack
+from lightning_mp.comm._pair import PairDataPlane, PairGroups, build_pair_groups
+from lightning_mp.comm._planes import DataPlane, DataPlaneError, DataPlaneKind, GlooDataPlane, StrictMockError
+from lightning_mp.comm._transport import Transport, make_data_plane
+from lightning_mp.comm._wire import Message, Packed, pack
 
 __all__ = [
+    "DataPlane",
     "DataPlaneError",
     "DataPlaneKind",
     "GlooDataPlane",

@@ -6,8 +6,9 @@ replays it for the tensors a model still holds. See [Note: delayed init replays 
 """
 
 from lightning_mp.init._per_call import PerCallReport, materialize_per_call
-from lightning_mp.init._record import InitRecord, delay_param_initialization, find_record, is_recording
+from lightning_mp.init._record import delay_param_initialization, is_recording
 from lightning_mp.init._replay import MaterializeReport, ShardFn, defer_load, materialize_module
+from lightning_mp.init._tape import InitRecord, find_record
 
 __all__ = [
     "InitRecord",

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from lightning_mp.init._record import InitRecord, TensorRef, find_record
+from lightning_mp.init._tape import InitRecord, TensorRef, find_record
 from lightning_mp.init._replay import advance_rng, replay
 
 __all__ = ["PerCallReport", "materialize_per_call"]

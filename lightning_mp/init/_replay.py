@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_mp.init._record import InitRecord, RecordedOp, SetRngState, TensorRef, find_record, forget_record
+from lightning_mp.init._tape import InitRecord, RecordedOp, SetRngState, TensorRef, find_record, forget_record
 
 __all__ = ["MaterializeReport", "ShardFn", "advance_rng", "defer_load", "materialize_module", "replay"]
 

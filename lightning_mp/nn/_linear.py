@@ -19,6 +19,7 @@ from lightning_mp.tp._collectives import (
     reduce_scatter_along,
     scatter_to_tp,
 )
+from lightning_mp.tp._random import register_parallel_linear
 from lightning_mp.tp._sharding import ShardSpec, TPGroup, check_divisible, mark, parameter_creation_scope
 
 __all__ = ["DistributedLinear"]
@@ -162,3 +163,6 @@ class DistributedLinear(TPModule, nn.Linear):
 
 def _shape(out_features: int, in_features: int, transposed: bool) -> tuple[int, int]:
     return (in_features, out_features) if transposed else (out_features, in_features)
+
+
+register_parallel_linear(DistributedLinear)  # sharded-random regions form around its column/row instances

@@ -36,7 +36,6 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mp.config import SMPConfig
-from lightning_mp.callbacks import PartitionSummary
 from lightning_mp.partition import ModelTrace, PartitionPlan, manual_placements
 from lightning_mp.pipeline import MicrobatchSplitError, PipelineEngine, merge_microbatches, split_batch
 from lightning_mp.init import delay_param_initialization
@@ -557,7 +556,7 @@ class SMPStrategy(ParallelStrategy):
             self._plan = broadcast_plan(result)
             if self.global_rank == 0:
                 self._trace = result[1]
-                if not any(isinstance(c, PartitionSummary) for c in trainer.callbacks):  # it prints a fuller table
+                if not any(getattr(c, "shows_partition_table", False) for c in trainer.callbacks):  # PartitionSummary
                     rank_zero_info("lightning_mp partition plan:\n" + self._plan.format_table(self._trace))
             if module.example_input_array is not None:
                 rank_zero_warn(

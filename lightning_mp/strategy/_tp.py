@@ -7,7 +7,7 @@ on when tp > 1) and so hold equal replicated activations. Hence:
 * replicated parameters (LayerNorms, row biases, position tables) get equal gradients on every tp rank
   without communication; those marked ``allreduce_grad`` (inputs that differ between tp ranks, e.g.
   LayerNorms under sequence parallelism, or a replicated parameter used on sharded heads, see [Note: partial
-  gradients] in ``tp/_hf.py``: "sum") are reduced over the tp group once per optimizer step, before the
+  gradients] in ``nn/_hf.py``: "sum") are reduced over the tp group once per optimizer step, before the
   data-parallel average;
 * data-parallel averaging runs over the replicas of one (stage, tp rank) only (the mesh's ``dp`` axis);
 * the gradient norm counts each logical parameter once: the squares of sharded gradients are summed over the
@@ -24,7 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_mp.tp import ParallelGroups, TPGroup, reduce_replicated_grads, shard_spec
-from lightning_mp.tp._hf import translate_hf
+from lightning_mp.nn._hf import translate_hf
 from lightning_mp.tp._random import RandomStreams, install_sharded_random
 from lightning_mp.tp._swap import SwapReport, swap_modules
 from lightning_mp.topology import MeshAxis, Topology

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -67,9 +67,28 @@ from torch.utils.hooks import RemovableHandle
 from lightning_mp.pipeline._rng import _generators, _get_states, _same_states, _set_states
 from lightning_mp.tp._sharding import TPGroup, shard_spec
 
-__all__ = ["RandomStreams", "ShardedRandomRegion", "install_sharded_random", "remove_sharded_random"]
+__all__ = [
+    "RandomStreams",
+    "ShardedRandomRegion",
+    "install_sharded_random",
+    "register_parallel_linear",
+    "remove_sharded_random",
+]
 
 RandomStreams = Literal["one_process", "per_rank"]
+_LINEAR_TYPES: tuple[type[nn.Module], ...] = ()  # filled by lightning_mp.nn (nn builds on tp, not tp on nn)
+
+
+def register_parallel_linear(cls: type[nn.Module]) -> None:
+    """Let :func:`install_sharded_random` find regions around instances of ``cls``.
+
+    ``cls`` is a tensor-parallel linear layer with the attributes of
+    :class:`~lightning_mp.nn.DistributedLinear`: ``parallel`` (``"column"`` or ``"row"``), ``gather_output``,
+    ``in_features``, ``transposed`` and a ``weight`` carrying its :class:`~lightning_mp.tp.ShardSpec`.
+    """
+    global _LINEAR_TYPES
+    if cls not in _LINEAR_TYPES:
+        _LINEAR_TYPES = (*_LINEAR_TYPES, cls)
 
 _aten = torch.ops.aten
 # Random ops whose numbers depend only on the shape (and dtype) of their first argument.
@@ -318,8 +337,6 @@ def install_sharded_random(root: nn.Module, tp: TPGroup, streams: RandomStreams 
     Raises:
         ValueError: for another ``streams``.
     """
-    from lightning_mp.nn._linear import DistributedLinear  # noqa: PLC0415 (nn imports tp)
-
     if streams not in ("one_process", "per_rank"):
         raise ValueError(f"`streams` must be 'one_process' or 'per_rank', got {streams!r}.")
     if tp.size == 1:
@@ -328,7 +345,7 @@ def install_sharded_random(root: nn.Module, tp: TPGroup, streams: RandomStreams 
     for fqn, module in root.named_modules():
         columns = [
             c for c in module.children()
-            if isinstance(c, DistributedLinear) and c.parallel == "column" and not c.gather_output
+            if isinstance(c, _LINEAR_TYPES) and c.parallel == "column" and not c.gather_output
         ]
         if not columns:
             continue
@@ -337,7 +354,7 @@ def install_sharded_random(root: nn.Module, tp: TPGroup, streams: RandomStreams 
         if installed is not None:
             installed.region = region
         else:
-            rows = [c for c in module.children() if isinstance(c, DistributedLinear) and c.parallel == "row"]
+            rows = [c for c in module.children() if isinstance(c, _LINEAR_TYPES) and c.parallel == "row"]
             handles = (
                 module.register_forward_pre_hook(_pre_hook),
                 module.register_forward_hook(_post_hook, always_call=True),  # also when the call raises

@@ -1,0 +1,140 @@
+"""The wire format of one message: a pickled skeleton with tensor placeholders, and one data frame.
+
+:func:`pack` turns any picklable object into a :class:`Packed` (the pickle, plus the tensors' storage spans and the
+byte count of the data frame); :func:`gather` copies those spans into one aligned buffer; :func:`_unpack` rebuilds
+the object from the pickle and the received bytes as a :class:`Message`. How the frames travel is
+:class:`~lightning_mp.comm._transport.Transport`'s business ([Note: one frame per message] there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_mp.comm._kinds import Span, TensorTable, UnsupportedTensorError, rebuild_tensors
+
+__all__ = ["Message", "Packed", "gather", "pack"]
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.table = TensorTable()
+        self.tensors: list[torch.Tensor] = []  # the message's own tensors, in placeholder order
+        self.indices: list[int] = []  # each one's index in the table
+        self._index: dict[int, int] = {}
+
+    def persistent_id(self, obj: Any) -> int | None:
+        if not issubclass(type(obj), torch.Tensor):  # type(), not isinstance: a proxy's __class__ may fetch
+            return None
+        key = id(obj)
+        if key not in self._index:
+            self.indices.append(self.table.add(obj))
+            self._index[key] = len(self.tensors)
+            self.tensors.append(obj)
+        return self._index[key]
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
+        super().__init__(file)
+        self._tensors = tensors
+
+    def persistent_load(self, pid: int) -> torch.Tensor:
+        return self._tensors[pid]
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A message ready for the wire.
+
+    Attributes:
+        payload: the pickle frame.
+        tensors: every distinct tensor of the message, in placeholder order (the originals, not copies).
+        sources: the bytes of the data frame, one uint8 tensor per span ([Note: tensor kinds on the wire]).
+        spans: where each source goes in the data frame.
+        data_nbytes: size of the data frame in bytes.
+    """
+
+    payload: bytes
+    tensors: list[torch.Tensor]
+    sources: list[torch.Tensor]
+    spans: list[Span]
+    data_nbytes: int
+
+
+@dataclass(frozen=True)
+class Message:
+    """A received message.
+
+    Attributes:
+        obj: the rebuilt object; its tensors are fresh (no autograd history) with ``requires_grad=False``.
+        tensors: those tensors, in the sender's placeholder order (same order as ``Packed.tensors``).
+        requires_grad: the ``requires_grad`` flag each tensor left with. The receiver decides whether to set it.
+        arrived_s: ``time.perf_counter()`` when the message's first frame had arrived (0.0 if not received).
+        skeleton: the pickle of ``obj`` with placeholders for ``tensors`` (see :meth:`with_tensors`).
+    """
+
+    obj: Any
+    tensors: list[torch.Tensor]
+    requires_grad: list[bool]
+    arrived_s: float = 0.0
+    skeleton: bytes = b""
+
+    def with_tensors(self, tensors: list[torch.Tensor]) -> Message:
+        """The message rebuilt around other tensors in the places of ``self.tensors`` (new Python objects)."""
+        obj = _Unpickler(io.BytesIO(self.skeleton), tensors).load()
+        return dataclasses.replace(self, obj=obj, tensors=tensors)
+
+
+def pack(obj: Any) -> Packed:
+    """Pickle ``obj`` with every tensor replaced by a placeholder; lay out the tensors' bytes.
+
+    Raises:
+        TypeError: for a tensor kind that has no wire format ([Note: tensor kinds on the wire]), or an object pickle
+            cannot serialise.
+    """
+    buffer = io.BytesIO()
+    pickler = _Pickler(buffer)
+    try:
+        pickler.dump(obj)
+        table = pickler.table
+        data_nbytes = table.close()
+        flags = [tensor.requires_grad for tensor in pickler.tensors]
+        payload = pickle.dumps(
+            (buffer.getvalue(), table.recipes, table.spans, pickler.indices, flags), protocol=pickle.HIGHEST_PROTOCOL
+        )
+    except UnsupportedTensorError:
+        raise
+    except (pickle.PicklingError, TypeError, AttributeError) as err:
+        raise TypeError(
+            f"Cannot send {type(obj).__name__} between pipeline stages: {err}. Values that cross a stage"
+            " boundary must be tensors or picklable Python objects (tuples, lists, dicts, dataclasses, ...)."
+        ) from err
+    return Packed(payload, pickler.tensors, table.sources, table.spans, data_nbytes)
+
+
+def _unpack(payload: bytes, data: torch.Tensor | None, device: torch.device) -> Message:
+    skeleton, recipes, spans, indices, flags = pickle.loads(payload)
+    every = rebuild_tensors(recipes, spans, data, device)
+    tensors = [every[i] for i in indices]
+    obj = _Unpickler(io.BytesIO(skeleton), tensors).load()
+    return Message(obj, tensors, flags, skeleton=skeleton)
+
+
+def gather(packed: Packed, buffer: torch.Tensor) -> bool:
+    """Copy every span of ``packed`` into ``buffer`` (uint8, ``packed.data_nbytes``), each 16-byte aligned.
+
+    Copies are issued on the current stream, asynchronously where the devices allow (GPU to pinned host memory,
+    GPU to GPU). Returns whether any copy read a CUDA tensor (the caller then orders or awaits the stream).
+    """
+    from_cuda = False
+    for source, span in zip(packed.sources, packed.spans):
+        from_cuda = from_cuda or source.is_cuda
+        buffer[span.offset : span.offset + span.nbytes].copy_(source, non_blocking=True)
+    return from_cuda
