@@ -13,7 +13,7 @@ from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_mp.partition import ModelTrace, PartitionPlan, plan, stage_costs, trace
-from lightning_mp.partition._plan import _COLLAPSE_SLACK
+from lightning_mp.partition._search import _COLLAPSE_SLACK
 
 BATCH = 4
 

@@ -8,8 +8,7 @@ from dataclasses import dataclass
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
-from lightning_mp.partition import ModelTrace, PartitionPlan
-from lightning_mp.partition._plan import holds_parameters
+from lightning_mp.partition import ModelTrace, PartitionPlan, holds_parameters
 
 __all__ = ["PartitionSummary", "StageSummary", "summarize_stages"]
 

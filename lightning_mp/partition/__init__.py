@@ -14,7 +14,9 @@ import sys
 import types
 
 from lightning_mp.partition._manual import manual_placements, placement
-from lightning_mp.partition._plan import PartitionPlan, plan, stage_costs
+from lightning_mp.partition._cost import stage_costs
+from lightning_mp.partition._plan import PartitionPlan, plan
+from lightning_mp.partition._table import holds_parameters
 from lightning_mp.partition._trace import ModelTrace, ModuleRecord, SharedParameter, shared_parameters, trace
 
 __all__ = [
@@ -22,6 +24,7 @@ __all__ = [
     "ModuleRecord",
     "PartitionPlan",
     "SharedParameter",
+    "holds_parameters",
     "manual_placements",
     "placement",
     "plan",
