@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from lightning_mp.strategy._checkpoint import _quiet_sharded_tensor, optimizer_state_dict, set_flat_optimizer_state
+from lightning_mp.strategy._checkpoint import optimizer_state_dict, set_flat_optimizer_state
+from lightning_mp.strategy._checkpoint._sharding import _quiet_sharded_tensor
 from lightning_mp.strategy._shards import piece_chunks, sharded_view
 from lightning_mp.tp import ShardSpec, shard
 from tests._dist import run_distributed
