@@ -10,6 +10,7 @@ import lightning_mp
 from examples.gpt import GPT, Block
 from examples.gpt_tp import TPGPT  # registers Block
 from lightning_mp.nn import DistributedEmbedding, DistributedLinear, DistributedTransformerLayer
+from lightning_mp.topology import Topology
 from lightning_mp.tp import TPGroup, shard_spec
 from lightning_mp.tp._registry import tp_mark
 from lightning_mp.tp._swap import swap_modules
@@ -137,17 +138,17 @@ def test_config_accepts_tp_and_turns_deterministic_order_on():
     config = lightning_mp.SMPConfig(tensor_parallel_degree=2, pipeline_parallel_degree=2)
     assert config.effective_deterministic_order
     assert not lightning_mp.SMPConfig(tensor_parallel_degree=2, deterministic_order=False).effective_deterministic_order
-    topology = lightning_mp.Topology(world_size=8, rank=5, pipeline_parallel_degree=2, tensor_parallel_degree=2)
+    topology = Topology(world_size=8, rank=5, pipeline_parallel_degree=2, tensor_parallel_degree=2)
     assert (topology.dp_rank, topology.pp_rank, topology.tp_rank) == (1, 0, 1)  # tp ranks are neighbours
     with pytest.raises(ValueError, match=r"World size 6 is not divisible by .* = 4"):
-        lightning_mp.Topology(world_size=6, rank=0, pipeline_parallel_degree=2, tensor_parallel_degree=2)
+        Topology(world_size=6, rank=0, pipeline_parallel_degree=2, tensor_parallel_degree=2)
 
 
 @pytest.mark.parametrize(
     ("placement", "neighbours"), [("cluster", "tp"), ("DPT", "tp"), ("spread", "dp"), ("TPD", "dp"), ("DTP", "pp")]
 )
 def test_placement_strategy_decides_which_axis_is_adjacent(placement, neighbours):
-    grid = [lightning_mp.Topology(8, r, 2, 2, placement) for r in range(8)]
+    grid = [Topology(8, r, 2, 2, placement) for r in range(8)]
     coords = [(g.dp_rank, g.pp_rank, g.tp_rank) for g in grid]
     assert sorted(coords) == sorted({(d, p, t) for d in range(2) for p in range(2) for t in range(2)})
     assert all(g.global_rank(dp_rank=g.dp_rank, pp_rank=g.pp_rank, tp_rank=g.tp_rank) == g.rank for g in grid)

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_mp
 from examples.gpt_tp import TPGPT
+from lightning_mp.topology import Topology
 from lightning_mp.tp import shard, shard_spec
 
 STEPS, GLOBAL_BATCH, VOCAB, T = 3, 4, 33, 8  # an odd vocabulary: padded vocab-parallel shards
@@ -148,7 +149,7 @@ def _check_against_reference(
     results: list[dict], reference: dict, *, tp: int, dp: int, pp: int, placement: str = "cluster"
 ) -> None:
     assert "DistributedEmbedding" in results[0]["modules"]
-    grid = [lightning_mp.Topology(len(results), r, pp, tp, placement) for r in range(len(results))]
+    grid = [Topology(len(results), r, pp, tp, placement) for r in range(len(results))]
     rank_of = {(g.dp_rank, g.pp_rank, g.tp_rank): g.rank for g in grid}
     for rank, result in enumerate(results):
         tp_rank, replica = grid[rank].tp_rank, grid[rank].dp_rank

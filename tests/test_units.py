@@ -10,7 +10,8 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from lightning_mp import SMPConfig, SMPStrategy, Topology
+from lightning_mp import SMPConfig, SMPStrategy
+from lightning_mp.topology import Topology
 from lightning_mp.comm._wire import _unpack, gather, pack
 from lightning_mp.pipeline import MicrobatchSplitError, merge_microbatches, split_microbatches
 
@@ -344,3 +345,20 @@ def test_lightning_mp_imports_have_no_cycle_and_no_upward_arrow():
         or (not target.startswith("lightning_mp") and _layer(source) < _LIGHTNING_LAYER)
     )
     assert upward == []
+
+
+def test_public_surface_is_grouped_and_moved_names_still_import_with_a_warning():
+    import lightning_mp
+    from lightning_mp import smp
+
+    assert len(lightning_mp.__all__) == 20 and len(set(lightning_mp.__all__)) == 20
+    assert {"PipelineError", "PartitionPlan", "RemoteValue"} <= set(lightning_mp.__all__)
+    assert not set(smp.__all__) & set(lightning_mp.__all__)
+    for name in lightning_mp.__all__:
+        assert getattr(lightning_mp, name) is not None
+    lightning_mp.__dict__.pop("tp_rank", None)  # a moved name warns on its first use in a process
+    with pytest.warns(DeprecationWarning, match=r"`lightning_mp.tp_rank` moved to `lightning_mp.smp.tp_rank`"):
+        from lightning_mp import tp_rank
+    assert tp_rank is smp.tp_rank
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        lightning_mp.not_a_name  # noqa: B018

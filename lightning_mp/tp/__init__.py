@@ -29,6 +29,7 @@ from lightning_mp.tp._groups import (
     tp_rank,
     tp_size,
 )
+from lightning_mp.tp._registry import set_tensor_parallelism, tensor_parallelism, tp_register, tp_register_with_module
 from lightning_mp.tp._sharding import (
     ShardSpec,
     TPDivisibilityError,
@@ -69,9 +70,13 @@ __all__ = [
     "reduce_replicated_grads",
     "reduce_scatter_along",
     "scatter_to_tp",
+    "set_tensor_parallelism",
     "shard",
     "shard_spec",
+    "tensor_parallelism",
     "tp_rank",
+    "tp_register",
+    "tp_register_with_module",
     "tp_size",
     "unshard",
 ]
