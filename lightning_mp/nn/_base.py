@@ -20,7 +20,7 @@ from torch import nn
 
 from lightning_mp.tp._sharding import TPGroup, shard, shard_spec, unshard
 
-__all__ = ["TPModule", "local_state_dicts", "sharded_parameter_ranks"]
+__all__ = ["TPModule", "local_state_dicts"]
 
 _LOCAL = threading.local()
 
@@ -90,17 +90,3 @@ def _keep_shard(module: TPModule, state: dict[str, Any], prefix: str, *args: Any
         value = state[key]
         if value.shape != param.shape and value.size(spec.dim) == spec.full_size:
             state[key] = shard(value, spec, module.tp.rank, module.tp.size)
-
-
-def sharded_parameter_ranks(model: nn.Module) -> dict[str, int]:
-    """``{parameter FQN: tp rank}`` for every sharded parameter of ``model`` (its value differs between tp ranks).
-
-    Checkpoint code uses it to give per-rank values (e.g. optimizer state of a shard) distinct keys.
-    """
-    ranks = {}
-    for mod_fqn, module in model.named_modules():
-        if isinstance(module, TPModule) and module.tp.size > 1:
-            for name, param in module.named_parameters(recurse=False):
-                if shard_spec(param) is not None:
-                    ranks[f"{mod_fqn}.{name}" if mod_fqn else name] = module.tp.rank
-    return ranks
