@@ -6,7 +6,8 @@ Engine-like ping-pong on 2 CPU processes (gloo): rank 0 sends a request envelope
 ``--shape``, rank 1 replies with one of the same shape. The transports alternate in short rounds inside the same
 processes, so machine load hits them alike (the engine benchmarks cannot resolve a few percent on a loaded
 machine). Prints, per data plane of this checkout (gloo, strict_mock), the median over rounds of its time per
-round trip divided by the other checkout's (``lightning_mp/comm/_transport.py``, loaded from ``--base``).
+round trip divided by the other checkout's (``lightning_mp/comm/_transport.py`` and its ``_wire.py``, loaded from
+``--base``).
 """
 
 from __future__ import annotations
@@ -31,12 +32,26 @@ from lightning_mp.comm import Transport, build_pair_groups, make_data_plane  # n
 _PLANES = ("gloo", "strict_mock")
 
 
-def _load_base(base: str):
-    spec = importlib.util.spec_from_file_location("base_transport", os.path.join(base, "lightning_mp/comm/_transport.py"))
+def _load(name: str, path: str):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules["base_transport"] = module  # dataclasses look their module up
+    sys.modules[name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+def _load_base(base: str):
+    """The other checkout's ``_transport.py`` with its own wire format (``_wire.py``, where the checkout has one)."""
+    transport = os.path.join(base, "lightning_mp/comm/_transport.py")
+    wire = os.path.join(base, "lightning_mp/comm/_wire.py")
+    if not os.path.exists(wire):  # a checkout whose wire format is still inside _transport.py
+        return _load("base_transport", transport)
+    ours = sys.modules["lightning_mp.comm._wire"]
+    sys.modules["lightning_mp.comm._wire"] = _load("base_wire", wire)  # what the base's `from ... import` finds
+    try:
+        return _load("base_transport", transport)
+    finally:
+        sys.modules["lightning_mp.comm._wire"] = ours
 
 
 def _rank(rank: int, init_file: str, out: str, args: argparse.Namespace) -> None:

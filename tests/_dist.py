@@ -44,7 +44,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, start_m
 _TRANSPORTS: list = []  # made by ``make_transport`` in this process
 
 PLANES = ("gloo", "strict_mock")
-"""Data planes the CPU engine tests run over: gloo, and the strict mock of NCCL's rules (see comm/_planes.py)."""
+"""Data planes the CPU engine tests run over: gloo, and the strict mock of NCCL's rules (see comm/_planes.py and comm/_strict_mock.py)."""
 
 
 def make_transport(ranks: list[int], plane: str = "gloo", timeout_s: float = 60.0):

@@ -108,7 +108,7 @@ def _assert_matches_reference(results: list[dict], reference: dict) -> None:
         ("branchy", "branchy", 4, "interleaved", "gloo", True),
         ("branchy", "nested", 2, "interleaved", "gloo", True),
         ("tiedlm", "tiedlm", 4, "interleaved", "gloo", True),
-        # The same protocol under NCCL's rules (comm/_planes.py: StrictMockBackend).
+        # The same protocol under NCCL's rules (comm/_strict_mock.py: StrictMockBackend).
         ("mlp", "mlp", 4, "simple", "strict_mock", True),
         ("branchy", "nested", 2, "interleaved", "strict_mock", True),
         ("tiedlm", "tiedlm", 4, "interleaved", "strict_mock", True),

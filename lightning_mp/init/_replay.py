@@ -299,6 +299,26 @@ OnReady = Callable[[int, torch.UntypedStorage], int]
 """``on_ready(sid, storage) -> bytes kept``: a kept storage whose last op has run (the replay lets go of it)."""
 
 
+def _release_last_uses(
+    op: RecordedOp, index: int, last: dict[int, int], storages: _Storages, kept: set[int], on_ready: OnReady | None
+) -> int:
+    """After op ``index`` ran: free the storages it used last that are not ``kept``, hand the kept ones to
+    ``on_ready``; returns the bytes ``on_ready`` keeps."""
+    held = 0
+    for sid in op.reads | op.writes:
+        if last[sid] != index:
+            continue
+        if sid not in storages.real:
+            if sid not in kept:
+                storages.pending.pop(sid, None)
+            continue
+        if sid not in kept:
+            storages.pop(sid)
+        elif on_ready is not None:
+            held += on_ready(sid, storages.pop(sid))
+    return held
+
+
 def replay(
     record: InitRecord,
     kept: Iterable[int],
@@ -348,19 +368,8 @@ def replay(
                     max_scratch = max(max_scratch, _draw_on_scratch(op, record.storage_devices))
                     scratched += 1
             peak = max(peak, storages.live + held)
-            if not plan.real[index]:
-                continue
-            for sid in op.reads | op.writes:
-                if last[sid] != index:
-                    continue
-                if sid not in storages.real:
-                    if sid not in kept:
-                        storages.pending.pop(sid, None)
-                    continue
-                if sid not in kept:
-                    storages.pop(sid)
-                elif on_ready is not None:
-                    held += on_ready(sid, storages.pop(sid))
+            if plan.real[index]:
+                held += _release_last_uses(op, index, last, storages, kept, on_ready)
         for sid in sorted(kept & set(storages.pending)):  # kept `torch.empty` tensors nothing initialised
             storages.ensure(sid)
     if on_ready is not None:
@@ -447,34 +456,17 @@ def _deferred_loads(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
     return [(fqn, m, m.__dict__[_DEFERRED_ATTR]) for fqn, m in model.named_modules() if _DEFERRED_ATTR in m.__dict__]
 
 
-def materialize_module(
-    model: nn.Module, device: torch.device | str | None = None, shard_fn: ShardFn | None = None
-) -> MaterializeReport:
-    """Allocate and initialise every meta parameter and buffer ``model`` still holds, as the eager build did.
-
-    Call it after dropping what this rank does not own (the ``smp`` strategy does, after partitioning): only the
-    tensors left are allocated. Each tensor keeps its Python identity and attributes (``torch.utils.swap_tensors``),
-    so tied parameters stay tied and references held elsewhere see the data. Values are converted to the meta
-    tensor's dtype (e.g. after ``model.to(torch.bfloat16)`` on meta) and moved to ``device``. Modules swapped in
-    before materialisation (:func:`defer_load`, tensor parallelism) load their shards of the original tensors.
-    Each tensor is handed over as soon as its init ops have run, so with ``shard_fn`` or deferred loads a full
-    tensor is freed before the next one is made.
-
-    Args:
-        model: a model built under :func:`~lightning_mp.delay_param_initialization`.
-        device: where the tensors go; ``None`` keeps the device the build asked for.
-        shard_fn: optional ``(fqn, full) -> kept`` per tensor (tensor parallelism: materialise full, slice, free).
-
-    Returns:
-        A :class:`MaterializeReport`.
+def _consumers(
+    record: InitRecord | None, targets: dict[int, tuple[str, torch.Tensor, tuple[nn.Module, str]]],
+    loads: list[tuple[str, nn.Module, nn.Module]],
+) -> tuple[InitRecord | None, dict[int, list[tuple[str, object, TensorRef]]]]:
+    """The record, and per storage id who takes its values: ``("own", key)`` swaps a model tensor in,
+    ``("load", (target, key, source tensor))`` loads a deferred target's shard.
 
     Raises:
-        RuntimeError: if a meta tensor was not made under delayed init (it has no recorded init).
+        RuntimeError: if a meta tensor (or a deferred source's) has no recorded init, or a deferred source was
+            built in another delayed-init block.
     """
-    record = find_record(model)
-    targets = _meta_tensors(model)
-    loads = _deferred_loads(model)
-    # (sid -> consumers): ("own", key) swaps a model tensor; ("load", (target, key, source tensor)) loads a shard
     consumers: dict[int, list[tuple[str, object, TensorRef]]] = {}
     missing: list[str] = []
     for key, (fqn, tensor, slot) in targets.items():
@@ -504,6 +496,36 @@ def materialize_module(
             " `lightning_mp.delay_param_initialization()` (or `trainer.init_module(empty_init=True)`), so their"
             " initial values are unknown. Build the whole model inside one delayed-init block, or eagerly."
         )
+    return record, consumers
+
+
+def materialize_module(
+    model: nn.Module, device: torch.device | str | None = None, shard_fn: ShardFn | None = None
+) -> MaterializeReport:
+    """Allocate and initialise every meta parameter and buffer ``model`` still holds, as the eager build did.
+
+    Call it after dropping what this rank does not own (the ``smp`` strategy does, after partitioning): only the
+    tensors left are allocated. Each tensor keeps its Python identity and attributes (``torch.utils.swap_tensors``),
+    so tied parameters stay tied and references held elsewhere see the data. Values are converted to the meta
+    tensor's dtype (e.g. after ``model.to(torch.bfloat16)`` on meta) and moved to ``device``. Modules swapped in
+    before materialisation (:func:`defer_load`, tensor parallelism) load their shards of the original tensors.
+    Each tensor is handed over as soon as its init ops have run, so with ``shard_fn`` or deferred loads a full
+    tensor is freed before the next one is made.
+
+    Args:
+        model: a model built under :func:`~lightning_mp.delay_param_initialization`.
+        device: where the tensors go; ``None`` keeps the device the build asked for.
+        shard_fn: optional ``(fqn, full) -> kept`` per tensor (tensor parallelism: materialise full, slice, free).
+
+    Returns:
+        A :class:`MaterializeReport`.
+
+    Raises:
+        RuntimeError: if a meta tensor was not made under delayed init (it has no recorded init).
+    """
+    targets = _meta_tensors(model)
+    loads = _deferred_loads(model)
+    record, consumers = _consumers(find_record(model), targets, loads)
     if not consumers:
         for _, target, _ in loads:
             del target.__dict__[_DEFERRED_ATTR]

@@ -897,7 +897,7 @@ class SMPStrategy(ParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:  # its name goes in one rename (see [Note: checkpoint commit] in _checkpoint.py)
+        if self.is_global_zero:  # its name goes in one rename (see [Note: checkpoint commit] in _checkpoint/_folder.py)
             _checkpoint.remove_checkpoint(Path(filepath))
 
     def _sharded_optimizers(self) -> bool:
