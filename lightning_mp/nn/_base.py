@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_mp.tp._sharding import TPGroup, shard, shard_spec, unshard
+from lightning_mp.tp import TPGroup, shard, shard_spec, unshard
 
 __all__ = ["TPModule", "local_state_dicts"]
 

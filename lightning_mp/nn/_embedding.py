@@ -13,8 +13,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from lightning_mp.nn._base import TPModule
-from lightning_mp.tp._collectives import reduce_from_tp
-from lightning_mp.tp._sharding import ShardSpec, TPGroup, parameter_creation_scope
+from lightning_mp.tp import ShardSpec, TPGroup, parameter_creation_scope, reduce_from_tp
 
 __all__ = ["DistributedEmbedding", "vocab_parallel_cross_entropy", "vocab_range"]
 

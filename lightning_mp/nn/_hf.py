@@ -31,8 +31,7 @@ from torch import nn
 
 from lightning_mp.nn._embedding import DistributedEmbedding
 from lightning_mp.nn._linear import DistributedLinear
-from lightning_mp.tp._sharding import TPGroup, check_divisible, mark
-from lightning_mp.tp._swap import Builder, load_from
+from lightning_mp.tp import Builder, TPGroup, check_divisible, load_from, mark
 
 __all__ = ["SUPPORTED_STYLES", "translate_hf"]
 

@@ -11,16 +11,20 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from lightning_mp.nn._base import TPModule
-from lightning_mp.tp._collectives import (
+from lightning_mp.tp import (
+    ShardSpec,
+    TPGroup,
     all_gather_along,
+    check_divisible,
     copy_to_tp,
     gather_from_tp,
+    mark,
+    parameter_creation_scope,
     reduce_from_tp,
     reduce_scatter_along,
+    register_parallel_linear,
     scatter_to_tp,
 )
-from lightning_mp.tp._random import register_parallel_linear
-from lightning_mp.tp._sharding import ShardSpec, TPGroup, check_divisible, mark, parameter_creation_scope
 
 __all__ = ["DistributedLinear"]
 

@@ -26,8 +26,15 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from lightning_mp.nn._base import TPModule
-from lightning_mp.tp._collectives import copy_to_tp, reduce_from_tp
-from lightning_mp.tp._sharding import ShardSpec, TPGroup, check_divisible, parameter_creation_scope
+from lightning_mp.tp import (
+    ShardSpec,
+    TPGroup,
+    check_divisible,
+    copy_to_tp,
+    parameter_creation_scope,
+    reduce_from_tp,
+    tp_register_with_module,
+)
 
 __all__ = ["DistributedMoE", "MoE", "route"]
 
@@ -143,6 +150,4 @@ def _moe_args(module: MoE) -> tuple[tuple, dict]:
 
 def register_moe() -> None:
     """Register ``MoE -> DistributedMoE``."""
-    from lightning_mp.tp._registry import tp_register_with_module
-
     tp_register_with_module(MoE, DistributedMoE, init_hook=_moe_args)

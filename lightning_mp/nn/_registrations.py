@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_mp.nn._embedding import DistributedEmbedding
 from lightning_mp.nn._linear import DistributedLinear
-from lightning_mp.tp._registry import tp_register_with_module
+from lightning_mp.tp import tp_register_with_module
 
 
 def _linear_args(module: nn.Linear) -> tuple[tuple, dict]:

@@ -35,8 +35,7 @@ from torch.nn import functional as F
 from lightning_mp.nn._base import TPModule
 from lightning_mp.nn._embedding import DistributedEmbedding, vocab_parallel_cross_entropy
 from lightning_mp.nn._linear import DistributedLinear
-from lightning_mp.tp._collectives import gather_from_tp, scatter_to_tp
-from lightning_mp.tp._sharding import TPGroup, check_divisible, mark
+from lightning_mp.tp import TPGroup, check_divisible, gather_from_tp, mark, scatter_to_tp
 
 Optimize = Literal["speed", "memory"]
 

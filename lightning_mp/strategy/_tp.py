@@ -24,7 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_mp.tp import ParallelGroups, TPGroup, reduce_replicated_grads, shard_spec
-from lightning_mp.nn._hf import translate_hf
+from lightning_mp.nn import translate_hf
 from lightning_mp.tp._random import RandomStreams, install_sharded_random
 from lightning_mp.tp._swap import SwapReport, swap_modules
 from lightning_mp.topology import MeshAxis, Topology

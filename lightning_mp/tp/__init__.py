@@ -29,6 +29,7 @@ from lightning_mp.tp._groups import (
     tp_rank,
     tp_size,
 )
+from lightning_mp.tp._random import register_parallel_linear
 from lightning_mp.tp._registry import set_tensor_parallelism, tensor_parallelism, tp_register, tp_register_with_module
 from lightning_mp.tp._sharding import (
     ShardSpec,
@@ -36,14 +37,17 @@ from lightning_mp.tp._sharding import (
     TPGroup,
     check_divisible,
     grad_allreduce,
+    mark,
     parameter_creation_scope,
     reduce_replicated_grads,
     shard,
     shard_spec,
     unshard,
 )
+from lightning_mp.tp._swap import Builder, load_from
 
 __all__ = [
+    "Builder",
     "CommGroup",
     "ParallelGroups",
     "ShardSpec",
@@ -61,6 +65,8 @@ __all__ = [
     "dp_size",
     "gather_from_tp",
     "grad_allreduce",
+    "load_from",
+    "mark",
     "parameter_creation_scope",
     "pp_rank",
     "pp_size",
@@ -69,6 +75,7 @@ __all__ = [
     "reduce_from_tp",
     "reduce_replicated_grads",
     "reduce_scatter_along",
+    "register_parallel_linear",
     "scatter_to_tp",
     "set_tensor_parallelism",
     "shard",

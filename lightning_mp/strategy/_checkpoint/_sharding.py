@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_mp.nn._base import TPModule
+from lightning_mp.nn import TPModule
 from lightning_mp.strategy._shards import sharded_view
-from lightning_mp.tp._sharding import ShardSpec, shard, shard_spec, unshard
+from lightning_mp.tp import ShardSpec, shard, shard_spec, unshard
 
 __all__ = ["gather_tp_shards"]
 

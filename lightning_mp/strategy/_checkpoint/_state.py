@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.optim import Optimizer
 
-from lightning_mp.nn._base import local_state_dicts
+from lightning_mp.nn import local_state_dicts
 from lightning_mp.strategy._tied import rename_flat_key
 
 __all__ = ["model_state_dict", "optimizer_state_dict", "set_flat_optimizer_state"]
