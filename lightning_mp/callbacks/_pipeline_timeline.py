@@ -26,7 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_mp.pipeline._timeline import TimelineEvent
 
 if TYPE_CHECKING:
-    from lightning_mp.pipeline._engine import PipelineEngine
+    from lightning_mp.pipeline import PipelineEngine
 
 __all__ = [
     "BubbleReport",
