@@ -18,6 +18,7 @@ from typing_extensions import override
 
 from lightning_mp.memory import ActivationOffloader, checkpointed_modules, set_activation_checkpointing
 from lightning_mp.memory._checkpointing import OFFLOADER_ATTR, _group_size, is_checkpointed
+from lightning_mp.strategy import SMPStrategy
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -26,8 +27,6 @@ __all__ = ["ActivationCheckpointing", "ActivationOffloading", "DelayedParameterI
 
 
 def _smp_strategy(trainer: pl.Trainer, who: str) -> Any:
-    from lightning_mp.strategy import SMPStrategy  # noqa: PLC0415 (the strategy imports the callbacks package)
-
     strategy = trainer.strategy
     if not isinstance(strategy, SMPStrategy):
         raise ValueError(f"{who} needs strategy='smp', got {type(strategy).__name__}.")
