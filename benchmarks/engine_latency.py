@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from lightning_mp.comm import Transport  # noqa: E402
 from lightning_mp.pipeline import PipelineEngine  # noqa: E402
-from lightning_mp.pipeline._handles import materialize  # noqa: E402
+from lightning_mp.pipeline import materialize  # noqa: E402
 
 ROWS = ("handles idle", "eager idle", "handles loaded", "eager loaded")
 

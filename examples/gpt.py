@@ -14,7 +14,7 @@ partitioner works on it::
     ├── wpe      nn.Embedding(block_size, n_embd)      position embedding
     ├── drop     nn.Dropout
     ├── h        nn.Sequential(Block, ..., Block)  (n_layer blocks; a Sequential, so that lightning_mp sends the
-    │            blocks of one stage as one request: see [Note: sequential runs] in lightning_mp/pipeline/_engine.py)
+    │            blocks of one stage as one request: see [Note: sequential runs] in lightning_mp/pipeline/_install.py)
     │            └── ln_1, attn (CausalSelfAttention), ln_2, mlp (MLP)
     ├── ln_f     nn.LayerNorm(n_embd)
     └── lm_head  nn.Linear(n_embd, vocab_size, bias=False)  (weight tied to wte)

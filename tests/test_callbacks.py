@@ -13,7 +13,7 @@ from lightning_mp.callbacks import PipelineTimeline, RankTimeline, chrome_trace,
 from lightning_mp.callbacks import StageSummary, summarize_stages
 from lightning_mp.callbacks._partition_summary import _bar_chart, _table, common_prefix, compact_names
 from lightning_mp.callbacks._pipeline_timeline import gantt_chart
-from lightning_mp.pipeline._timeline import TimelineEvent
+from lightning_mp.pipeline import TimelineEvent
 from lightning_mp.partition import plan, trace
 from tests.models import TinyLM
 

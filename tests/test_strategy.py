@@ -176,6 +176,44 @@ def test_fit_matches_one_process(tmp_path, model_name, pp, dp, microbatches, sch
             torch.testing.assert_close(value, reference["params"][name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+class ProcessWideHooks(L.Callback):
+    """Per rank, after fit: are remote handles' process-wide hooks installed in this (spawned, fresh) process?"""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_train_end(self, trainer, pl_module):
+        from torch.nn.modules import module as module_globals
+
+        apply = torch.autograd.Function.__dict__["apply"].__func__
+        ours = [h for h in module_globals._global_forward_pre_hooks.values() if h.__module__.startswith("lightning_mp")]
+        state = {"apply_wrapped": getattr(apply, "_smp_fetches_handles", False), "global_pre_hooks": len(ours)}
+        torch.save(state, os.path.join(self.out_dir, f"hooks{trainer.global_rank}.pt"))
+
+
+@pytest.mark.parametrize("pp", [1, 2], ids=["pp1-dp2", "pp2"])
+def test_process_wide_hooks_only_with_several_stages(tmp_path, pp):
+    """A global module forward pre-hook and a wrapped ``torch.autograd.Function.apply`` (remote handles) are
+    installed only when the plan has more than one stage; either way the fit matches one process."""
+    os.makedirs(tmp_path / "ref")
+    os.makedirs(tmp_path / "smp")
+    reference = _fit("mlp", str(tmp_path / "ref"))[0]
+    strategy = lightning_mp.SMPStrategy(pipeline_parallel_degree=pp, microbatches=2, start_method="spawn")
+    hooks = ProcessWideHooks(str(tmp_path / "smp"))
+    results = _fit("mlp", str(tmp_path / "smp"), strategy, devices=2, callbacks_extra=(hooks,))
+    for rank in range(2):
+        state = torch.load(tmp_path / "smp" / f"hooks{rank}.pt")
+        assert state == {"apply_wrapped": pp > 1, "global_pre_hooks": int(pp > 1)}, (rank, state)
+    replicas = [results[r * pp : (r + 1) * pp] for r in range(2 // pp)]
+    losses = torch.tensor([replica[0]["losses"] for replica in replicas]).mean(0)
+    torch.testing.assert_close(losses.tolist(), reference["losses"], rtol=1e-5, atol=1e-6)
+    for replica in replicas:
+        got = {name: value for result in replica for name, value in result["params"].items()}
+        assert sorted(got) == sorted(reference["params"])
+        for name, value in got.items():
+            torch.testing.assert_close(value, reference["params"][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 def _fit_with_checkpoint(out_dir: str, ckpt_dir: str, strategy, devices: int, max_steps: int, ckpt_path=None):
     torch.manual_seed(0)
     trainer = L.Trainer(

@@ -185,7 +185,7 @@ class ActivationOffloading(Callback):
 
 
 def _current_microbatch() -> Any:
-    from lightning_mp.pipeline._engine import _current_task  # noqa: PLC0415 (engine-private; read only)
+    from lightning_mp.pipeline import current_task as _current_task  # noqa: PLC0415 (read only)
 
     task = _current_task()
     return 0 if task is None else task.microbatch

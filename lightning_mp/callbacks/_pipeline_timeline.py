@@ -23,7 +23,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_mp.pipeline._timeline import TimelineEvent
+from lightning_mp.pipeline import TimelineEvent
 
 if TYPE_CHECKING:
     from lightning_mp.pipeline import PipelineEngine

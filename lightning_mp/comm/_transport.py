@@ -25,7 +25,7 @@ pickle and data fit travels as that one frame. A separate data frame costs gloo 
 that receive only once it has read the header (it needs the byte count), so the sender's ``send`` waits for the
 receiving thread to wake up, read the header and post, then for the bytes to go. With the data inline the
 header receive that a listener posted long before takes the whole message. With this and the request workers
-of ``_engine.py``, a 4 KiB request and its reply took about half the voluntary context switches per call and a
+of ``pipeline/_server.py``, a 4 KiB request and its reply took about half the voluntary context switches per call and a
 fraction of the time (``benchmarks/engine_latency.py``, against the two-frame layout, alternating runs).
 
 Frames of one message are sent under a per-destination lock, so threads may send concurrently. A tensor that

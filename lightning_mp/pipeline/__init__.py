@@ -1,7 +1,17 @@
-"""Module-server pipeline engine, schedules and microbatch split/merge. Torch only, no Lightning."""
+"""Module-server pipeline engine, schedules and microbatch split/merge. Torch only, no Lightning.
+
+Modules: ``_engine`` (the engine across steps, and one step's session composed of its roles), ``_core`` (what
+every role of a session shares: failure, sending, round trips, compute token and grant order), ``_driver``
+(stage 0 runs the microbatches), ``_server`` (receive loops, request workers, chains), ``_outputs`` (the owner's
+store of remote outputs), ``_caller`` (remote calls, references and fetches), ``_messages`` (message kinds,
+bodies, envelope, task), ``_install`` (placement, stubs and per-call hooks), ``_scheduler`` (compute token, grant
+order, 1F1B priorities), ``_handles`` (remote values), ``_grads`` / ``_state`` / ``_rng`` (ordered gradients,
+buffer updates, random streams), ``_timeline``, ``_microbatch``.
+"""
 
 from lightning_mp.pipeline._engine import PipelineEngine, PipelineError, PipelineSession
-from lightning_mp.pipeline._handles import RemoteValue
+from lightning_mp.pipeline._handles import RemoteValue, materialize
+from lightning_mp.pipeline._messages import current_task
 from lightning_mp.pipeline._microbatch import (
     MicrobatchSplit,
     MicrobatchSplitError,
@@ -9,6 +19,7 @@ from lightning_mp.pipeline._microbatch import (
     split_batch,
     split_microbatches,
 )
+from lightning_mp.pipeline._timeline import TimelineEvent
 
 __all__ = [
     "MicrobatchSplit",
@@ -17,6 +28,9 @@ __all__ = [
     "PipelineError",
     "PipelineSession",
     "RemoteValue",
+    "TimelineEvent",
+    "current_task",
+    "materialize",
     "merge_microbatches",
     "split_batch",
     "split_microbatches",

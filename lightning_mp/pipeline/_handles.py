@@ -27,7 +27,7 @@ one round trip backward.
 Once any part of an output has been fetched (``out[0]``), the whole output goes back as data, never as a
 reference (the part may have been changed here in place), and a part fetched first is the same object in the whole
 fetched later. The owner runs one microbatch's requests from one caller in the order they were sent ([Note: one
-microbatch's requests run in arrival order] in ``_engine.py``), so random streams, BatchNorm updates and in-place
+microbatch's requests run in arrival order] in ``_server.py``), so random streams, BatchNorm updates and in-place
 changes follow the program, as on one process. It keeps the value until the microbatch that made it has finished
 on the driver and its requests have run (or the step ends); a handle of a finished microbatch or of another step
 fails at once when passed or touched. Python that inspects a value still works; it just pays for the fetch where

@@ -27,7 +27,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torchmetrics import Metric
 
-from lightning_mp.pipeline._handles import materialize
+from lightning_mp.pipeline import materialize
 from lightning_mp.strategy._metrics import (
     MetricCalls,
     MetricLog,

@@ -1,0 +1,301 @@
+"""The core of one pipelined step that every role of the session shares.
+
+:class:`SessionCore` owns what the driver, the server, the owner's store and the caller side all need and nothing
+else: the step's name, the lock, the first failure (``fail`` / ``raise_if_failed`` / ``abort``), sending a message
+(timeline, message counts, the driver's "done" notices riding along), a request's round trip (``exchange``, whose
+reply a receiving thread delivers), the compute token with its 1F1B priorities and, across the ranks that share an
+execution order, the grant order (leader publishes, followers follow; [Note: deterministic order] in
+``_scheduler.py``), and the set-up of every engine thread. The roles hold a core; the core holds no role.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from typing import Any
+
+import torch
+
+from lightning_mp.comm import Message, Transport
+from lightning_mp.pipeline._messages import (
+    POLL_S,
+    CallId,
+    Envelope,
+    Future,
+    Kind,
+    Phase,
+    PipelineError,
+    StepEnd,
+    Task,
+    current_task,
+)
+from lightning_mp.pipeline._rng import MicrobatchRNG
+from lightning_mp.pipeline._scheduler import ComputeToken, GrantOrder, Priority, priority
+from lightning_mp.pipeline._timeline import TimelineRecorder
+
+__all__ = ["SessionCore", "StageInfo"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StageInfo:
+    """What a session needs to know of its engine: this rank's place, its channels and its policies."""
+
+    transport: Transport
+    stage: int
+    num_stages: int
+    schedule: str
+    timeout_s: float
+    global_ranks: list[int]
+    order_transport: Transport | None
+    rng: MicrobatchRNG
+    timeline: TimelineRecorder
+    messages_sent: collections.Counter[str]
+
+    def describe(self, stage: int) -> str:
+        return f"pipeline stage {stage} (global rank {self.global_ranks[stage]})"
+
+
+class SessionCore:
+    """Failure, sending, round trips, compute token and grant order of one step on one rank.
+
+    Args:
+        info: the engine's side of the step.
+        step: the step's name, ``"hook#n"``; every message carries it and a stage refuses another step's.
+    """
+
+    def __init__(self, info: StageInfo, step: str) -> None:
+        self.info = info
+        self.step = step
+        self.stage = info.stage
+        self.peers = [s for s in range(info.num_stages) if s != info.stage]
+        self.timeout_s = info.timeout_s
+        self.timeline = info.timeline
+        self.lock = threading.Lock()
+        self.error: BaseException | None = None
+        self.closed = False  # the step is over here: its values are gone
+        self.finished = False  # driver: it has sent "end" (its summary or its failure) to every stage
+        self.threads: list[threading.Thread] = []  # every worker and the order thread, to join at close
+        self._futures: dict[CallId, Future] = {}  # replies awaited by ``exchange``
+        self._done_unsent: dict[int, list[int]] = {}  # driver: finished microbatches to tell each stage
+        self.token = ComputeToken(self.raise_if_failed)
+        self.token.before_release = self._suspend_rng
+        self.token.after_acquire = self._resume_rng
+        if self.timeline.enabled:
+            self.token.on_release = self._record_compute
+        self._order = info.order_transport
+        self._grants: dict[tuple, int] = {}
+        if self._order is not None:
+            publish = self._publish_grant if self._order.rank == 0 else None
+            self.token.order = GrantOrder(publish=publish, timeout_s=info.timeout_s)
+        # [Note: intra-op threads of engine threads] torch.set_num_threads(n) reaches OpenMP/MKL only in the thread
+        # that calls it; a new thread starts with OpenMP's default (one per core). With n=1 set by the user, a
+        # matmul in a fresh thread measured 10x slower than in the main thread on a 2-core machine (16 ms vs 1.5 ms
+        # for 128x1536 @ 1536x384). Every compute thread of the engine therefore repeats the caller's setting.
+        self._intra_op_threads = torch.get_num_threads()
+        self._device = info.transport.device
+
+    def describe(self, stage: int) -> str:
+        return self.info.describe(stage)
+
+    def enter_thread(self) -> None:
+        """Set up an engine thread: intra-op threads, CUDA device, backward on this thread.
+
+        [Note: backward on the calling thread] On CUDA, autograd runs backward of every node on one device thread
+        shared by all backwards on that GPU. A remote call's backward blocks there for its reply, which would stall
+        every other microbatch's backward and deadlock a nested call (stage A -> B -> A: A's server needs that
+        thread while A's driver holds it). The per-call hooks (random streams, ordered state) also read the
+        engine's thread-local task, which autograd's thread has not. ``set_multithreading_enabled(False)``
+        (thread-local) runs backward on the thread that calls it, as on CPU: every engine thread sets it, and every
+        ``backward`` call of the engine is wrapped in it (the one-stage path runs on the caller's thread).
+        """
+        torch.set_num_threads(self._intra_op_threads)  # see [Note: intra-op threads of engine threads]
+        if self._device.type == "cuda":  # every thread that issues CUDA work names its device
+            torch.cuda.set_device(self._device)
+        torch.autograd.set_multithreading_enabled(False)
+
+    def start_thread(self, target: Any, name: str, *args: Any) -> None:
+        """Start a daemon thread of this step, joined at close."""
+        thread = threading.Thread(target=target, args=args, daemon=True, name=name)
+        with self.lock:
+            self.threads.append(thread)
+        thread.start()
+
+    def join_threads(self) -> None:
+        joined = 0
+        while joined < len(self.threads):  # a listener that took a request may have started another worker
+            self.threads[joined].join(self.timeout_s if self.error is None else POLL_S)
+            joined += 1
+
+    # ---- failure ---------------------------------------------------------------------------------------------
+
+    def fail(self, error: BaseException) -> None:
+        """Record the first failure; every waiter on this rank raises it."""
+        with self.lock:
+            if self.error is None:
+                self.error = error
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise PipelineError(str(self.error)) from self.error
+
+    def abort(self, error: BaseException) -> None:
+        """Tell the other stages that this step failed here (driver), so they raise instead of waiting."""
+        self.fail(error)
+        if self.stage == 0 and not self.finished:
+            self.finished = True
+            text = f"{type(error).__name__}: {error}"
+            for peer in self.peers:
+                self.send_quietly(self.envelope(Kind.END, body=StepEnd(ok=False, value=text)), peer)
+
+    # ---- messages --------------------------------------------------------------------------------------------
+
+    def envelope(self, kind: Kind, call_id: CallId | None = None, body: Any = None, microbatch: int = 0) -> Envelope:
+        """A message of this step, naming the served request it is sent from (see [Note: one microbatch's requests
+        run in arrival order] in ``_server.py``)."""
+        task = current_task()
+        origin = task.ident if task is not None and task.ident[:1] == ("call",) else None
+        return Envelope(kind, self.step, call_id, body, microbatch, origin=origin)
+
+    def tell_done(self, microbatch: int) -> None:
+        """Driver: every other stage may drop ``microbatch``'s values; said with the next message to each."""
+        with self.lock:
+            for peer in self.peers:
+                self._done_unsent.setdefault(peer, []).append(microbatch)
+
+    def send(self, message: Any, peer: int, microbatch: int = 0, kind: Kind = Kind.REPLY) -> None:
+        """Send one message (an envelope, or a packed one of ``kind``) to ``peer``, recording it on the timeline and
+        counting it in ``messages_sent``.
+
+        Raises:
+            TypeError: the message itself cannot be sent (``pack`` says why).
+            PipelineError: the transport failed (e.g. the peer died), naming the stage.
+        """
+        start = time.perf_counter()
+        kind = message.kind if isinstance(message, Envelope) else kind
+        with self.lock:
+            self.info.messages_sent[kind.value] += 1
+        if self._done_unsent and isinstance(message, Envelope):  # no message of its own: it goes with the next
+            with self.lock:
+                done = self._done_unsent.pop(peer, None)
+            if done:
+                message = dataclasses.replace(message, done=message.done + tuple(done))
+        try:
+            self.info.transport.send(message, peer)
+        except TypeError:
+            raise
+        except Exception as err:  # e.g. the peer died: a one-way "call" learns it here, so name the stage
+            raise PipelineError(f"Could not reach {self.describe(peer)}: {err}") from err
+        self.timeline.record("send", f"to stage {peer}", microbatch, start)
+
+    def send_quietly(self, envelope: Any, peer: int, microbatch: int = 0) -> None:
+        """``send``, recording a failure instead of raising it (the peer may be gone; the step is failing anyway)."""
+        try:
+            self.send(envelope, peer, microbatch)
+        except Exception as err:
+            if self.error is None:  # ``send`` names the stage already
+                self.fail(err)
+
+    def exchange(self, stage: int, request: Any, task: Task, what: str, *, call_id: CallId | None = None) -> Message:
+        """Send a request to ``stage`` and wait for its reply, giving the compute token away meanwhile.
+
+        Raises:
+            PipelineError: the request failed on ``stage`` (its error text), the step failed, or no reply came
+                within the timeout.
+        """
+        self.raise_if_failed()
+        call_id = call_id if call_id is not None else request.call_id
+        future = Future()
+        with self.lock:
+            self._futures[call_id] = future
+        with self.token.paused(self.priority(task), self.grant_key(task)):
+            self.send(request, stage, task.microbatch, kind=Kind.FORWARD)
+            message: Message = future.wait(self.timeout_s, self.raise_if_failed, f"{what} on {self.describe(stage)}")
+        if message.obj.kind == Kind.ERROR:
+            raise PipelineError(message.obj.body)
+        return message
+
+    def deliver(self, message: Message) -> None:
+        """A reply or error arrived: wake its ``exchange``; an error nobody waits for (a one-way call's) fails the
+        step."""
+        envelope: Envelope = message.obj
+        with self.lock:
+            future = self._futures.pop(envelope.call_id, None)
+        if future is not None:
+            future.set(message)
+        elif envelope.kind == Kind.ERROR:
+            self.fail(PipelineError(envelope.body))
+
+    # ---- compute token and grant order -----------------------------------------------------------------------
+
+    def priority(self, task: Task) -> Priority:
+        info = self.info
+        return priority(task, info.schedule, info.stage, info.num_stages)
+
+    def grant_key(self, task: Task) -> tuple | None:
+        """The rank-independent name of ``task``'s next grant of the compute token (None when unordered)."""
+        if self._order is None:
+            return None
+        with self.lock:
+            count = self._grants[task.ident] = self._grants.get(task.ident, 0) + 1
+        return (task.ident, count)
+
+    def start_order_follower(self) -> None:
+        """A follower of the grant order listens to its leader for this step."""
+        if self._order is not None and self._order.rank != 0:
+            self.start_thread(self._order_loop, "smp-order")
+
+    def _publish_grant(self, key: tuple) -> None:
+        for follower in range(1, self._order.size):
+            self._order.send(("grant", self.step, key), follower)
+
+    def close_order(self) -> None:
+        """Leader: the step is over here. A failed leader says so: its followers would otherwise take the grants it
+        never made for divergence."""
+        if self._order is None or self._order.rank != 0:
+            return
+        last = ("close", self.step, None) if self.error is None else ("error", self.step, str(self.error))
+        for follower in range(1, self._order.size):
+            try:
+                self._order.send(last, follower)
+            except Exception:  # the follower may be gone; its own session fails on its own
+                pass
+
+    def _order_loop(self) -> None:
+        """Follower: feed the leader's grants to the compute token until the leader closes the step."""
+        self.enter_thread()
+        while True:
+            try:
+                kind, step, key = self._order.recv(0).obj
+            except Exception as err:
+                self.fail(PipelineError(f"Lost contact with the order leader of this stage: {err}"))
+                return
+            if step != self.step:
+                self.fail(PipelineError(f"The order leader runs {step!r} while this rank runs {self.step!r}."))
+                return
+            if kind == "close":
+                self.token.leader_done()
+                return
+            if kind == "error":  # ``key`` is the leader's error
+                self.fail(PipelineError(f"The order leader of this stage failed the step: {key}"))
+                return
+            self.token.decide(key)
+
+    def _suspend_rng(self) -> None:
+        task = current_task()
+        if task is not None:
+            self.info.rng.suspend(task.ident)
+
+    def _resume_rng(self) -> None:
+        task = current_task()
+        if task is not None:
+            phase = "forward" if task.phase == Phase.FORWARD else "backward"
+            self.info.rng.resume(task.ident, task.microbatch, f"{phase}:{task.label}")
+
+    def _record_compute(self, since: float) -> None:
+        task = current_task()
+        if task is not None:
+            category = "forward" if task.phase == Phase.FORWARD else "backward"
+            self.timeline.record(category, task.label, task.microbatch, since)
+
