@@ -104,9 +104,8 @@ def __getattr__(name: str) -> Any:
     """
     if name not in _MOVED:
         raise AttributeError(f"module 'lightning_mp' has no attribute {name!r}")
-    warnings.warn(
-        f"`lightning_mp.{name}` moved to `{_MOVED[name]}.{name}`; import it from there.", DeprecationWarning, stacklevel=2
-    )
+    where = f"{_MOVED[name]}.{name}"
+    warnings.warn(f"`lightning_mp.{name}` moved to `{where}`; import it from there.", DeprecationWarning, stacklevel=2)
     value = globals()[name] = getattr(importlib.import_module(_MOVED[name]), name)
     return value
 

@@ -3,16 +3,15 @@
 [Note: two planes] A message is a header (pickled skeleton, shapes, dtypes, byte counts, a per-pair sequence
 number) and one data frame (every tensor's bytes packed into one aligned buffer). Headers always go over a CPU
 gloo group, the *control plane*, where a receiver thread may sit in an always-posted receive (what the engine's
-listeners do). The data frame goes over a *data plane*:
-
-Every plane implements :class:`DataPlane`; :func:`~lightning_mp.comm._transport.make_data_plane` picks one.
+listeners do). The data frame goes over a *data plane* (each implements :class:`DataPlane`;
+:func:`~lightning_mp.comm._transport.make_data_plane` picks one):
 
 - :class:`GlooDataPlane`: over the same gloo group; CUDA tensors are staged through pinned host buffers
   (device to host on the sender's current stream, awaited before the send; host to device asynchronously on the
   receiver's current stream).
-- the NCCL plane (:class:`~lightning_mp.comm._pair.PairDataPlane` in ``_pair.py``): one 2-rank NCCL group per *ordered* pair of stages,
-  so each communicator carries one direction only and two ranks never both send first on one communicator
-  (NCCL issue #479). NCCL's rules, which the protocol keeps:
+- the NCCL plane (:class:`~lightning_mp.comm._pair.PairDataPlane` in ``_pair.py``): one 2-rank NCCL group per
+  *ordered* pair of stages, so each communicator carries one direction only and two ranks never both send first
+  on one communicator (NCCL issue #479). NCCL's rules, which the protocol keeps:
 
   1. a receive must know its byte count: it is posted only after its header was read, with the header's count
      (no speculative receive; an idle always-posted NCCL receive would trip NCCL's watchdog);
@@ -30,9 +29,9 @@ Every plane implements :class:`DataPlane`; :func:`~lightning_mp.comm._transport.
      read by a kernel of its previous owner); its current stream waits on the receive's work before the bytes
      are unpacked on it. Every GPU wait thus points back in causal order: no cycle across ranks.
 
-- ``_strict_mock.StrictMockBackend`` (a test double, in its own module): the NCCL plane's code path (pair groups, communication thread, sequence and byte
-  bookkeeping) with gloo under it, enforcing rules 1-4 and a watchdog, so CPU CI tests the protocol the NCCL plane
-  relies on. A broken rule raises :class:`StrictMockError` naming it.
+- ``StrictMockBackend`` (a test double, in ``_strict_mock.py``): the NCCL plane's code path (pair groups,
+  communication thread, sequence and byte bookkeeping) with gloo under it, enforcing rules 1-4 and a watchdog, so
+  CPU CI tests the protocol the NCCL plane relies on. A broken rule raises :class:`StrictMockError` naming it.
 """
 
 from __future__ import annotations
@@ -63,7 +62,8 @@ class DataPlane(Protocol):
     name: str
 
     def gather(self, packed: Packed) -> Any:
-        """Copy ``packed``'s tensor bytes into a wire buffer (uint8[packed.data_nbytes]); returns what ``send`` takes."""
+        """Copy ``packed``'s tensor bytes into a wire buffer (uint8[packed.data_nbytes]); returns what ``send``
+        takes."""
 
     def header_read(self, src: int, seq: int, nbytes: int) -> None:
         """The header of message ``seq`` from ``src`` announced ``nbytes`` data bytes (called before ``recv``)."""

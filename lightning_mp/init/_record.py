@@ -3,18 +3,18 @@
 [Note: delayed init replays the eager init record]
 A model built under :func:`delay_param_initialization` allocates nothing: a recording
 :class:`~torch.utils._python_dispatch.TorchDispatchMode` sends every factory op to the meta device and appends
-every aten op to a tape, with each tensor named by its storage (``TensorRef``: storage id, shape, stride,
-offset, dtype; the tape's types are in ``_tape.py``). After partitioning, a rank replays the tape from the random-number state the build started
-with (:mod:`lightning_mp.init._replay`): ops that write a storage it needs run for real, random ops on other
-storages run on a same-shape scratch tensor that is freed at once, and everything else is skipped. CPU
-generators cannot skip ahead, so drawing the same numbers in the same order is the only way the owned tensors
-come out bitwise equal to an eager one-process build with the same seed, on every layout. When the block exits,
-the process's generators are moved forward by the same draws (scratch only), so code after the build sees the
-random state an eager build leaves. The dispatch mode is not a ``torch.device("meta")`` context, so libraries
-that skip weight init on a meta device context (transformers 5.x) still run their init, and the tape gets it.
-Under tensor parallelism the swapped-in distributed modules are built for real (their local shards) and load
-their shard of each original tensor when the replay has made it (:func:`lightning_mp.init.defer_load`), which
-is freed right after: the eager tp path's weights, with at most one full tensor alive at a time.
+every aten op to a tape, with each tensor named by its storage (``TensorRef``: storage id, shape, stride, offset,
+dtype; the tape's types are in ``_tape.py``). After partitioning, a rank replays the tape from the random-number
+state the build started with (:mod:`lightning_mp.init._replay`): ops that write a storage it needs run for real,
+random ops on other storages run on a same-shape scratch tensor that is freed at once, and everything else is
+skipped. CPU generators cannot skip ahead, so drawing the same numbers in the same order is the only way the owned
+tensors come out bitwise equal to an eager one-process build with the same seed, on every layout. When the block
+exits, the process's generators are moved forward by the same draws (scratch only), so code after the build sees
+the random state an eager build leaves. The dispatch mode is not a ``torch.device("meta")`` context, so libraries
+that skip weight init on a meta device context (transformers 5.x) still run their init, and the tape gets it. Under
+tensor parallelism the swapped-in distributed modules are built for real (their local shards) and load their shard
+of each original tensor when the replay has made it (:func:`lightning_mp.init.defer_load`), which is freed right
+after: the eager tp path's weights, with at most one full tensor alive at a time.
 """
 
 from __future__ import annotations
