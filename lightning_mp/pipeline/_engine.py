@@ -132,9 +132,6 @@ class PipelineEngine:
         """Is a pipelined step running on this rank?"""
         return self._session is not None
 
-    def describe_stage(self, stage: int) -> str:
-        return f"pipeline stage {stage} (global rank {self.global_ranks[stage]})"
-
     # ---- placement -------------------------------------------------------------------------------------------
 
     def install(self, model: nn.Module, stage_of: Mapping[str, int], ordered_state: Sequence[str] | None = None) -> None:
