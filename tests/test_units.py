@@ -137,6 +137,45 @@ def test_topology_grid(rank):
     assert len(set(topo.pp_group_ranks()) & set(topo.dp_group_ranks())) == 1
 
 
+@pytest.mark.parametrize("placement", ["cluster", "spread", "PDT"])
+def test_group_plan_order_and_axis_vocabulary(placement):
+    """Every rank plans the same groups in one documented order; each name means one thing: ``dp`` the replicas of
+    one (stage, tp rank) (whose group rank is ``Topology.dp_rank``, SMP's rdp_rank), ``dp_tp`` SMP's DP group."""
+    from lightning_mp.topology import GroupName, GroupOptions, plan_process_groups
+
+    world, pp, tp = 8, 2, 2
+    options = GroupOptions(host=True, order=True, reducer=True)
+    plans = [plan_process_groups(Topology(world, r, pp, tp, placement), options) for r in range(world)]
+    assert all(plan == plans[0] for plan in plans), "every rank must create the same groups in the same order"
+    names = [spec.name for spec in plans[0]]
+    order = [GroupName.DP, GroupName.PP, GroupName.TP, GroupName.DP_TP, GroupName.PIPELINE, GroupName.HOST,
+             GroupName.ORDER, GroupName.REDUCER]
+    assert list(dict.fromkeys(names)) == order
+    assert names.count(GroupName.DP) == pp * tp and names.count(GroupName.DP_TP) == pp
+    gloo = {GroupName.PIPELINE, GroupName.HOST, GroupName.ORDER}  # CPU control groups; the rest use the device's
+    assert all((spec.backend == "gloo") == (spec.name in gloo) for spec in plans[0])
+    for rank in range(world):
+        topo = Topology(world, rank, pp, tp, placement)
+        own = {}
+        for spec in plans[0]:
+            if rank in spec.ranks:
+                assert spec.name not in own, f"rank {rank} is in two {spec.name.value} groups"
+                own[spec.name] = spec.ranks
+        assert set(own) == set(order)
+        assert sorted(own[GroupName.DP]) == sorted(topo.dp_group_ranks())
+        assert sorted(own[GroupName.DP]).index(rank) == topo.dp_rank  # strategy.dp_rank == lightning_mp.rdp_rank
+        assert list(own[GroupName.PP]) == list(own[GroupName.PIPELINE]) == topo.pp_group_ranks()
+        assert own[GroupName.REDUCER] == own[GroupName.DP]
+        stage = {r for r in range(world) if Topology(world, r, pp, tp, placement).pp_rank == topo.pp_rank}
+        assert set(own[GroupName.DP_TP]) == set(own[GroupName.ORDER]) == stage  # SMP's DP: world / pp ranks
+        assert len(own[GroupName.DP_TP]) == world // pp and len(own[GroupName.DP]) == world // (pp * tp)
+        assert all(Topology(world, r, pp, tp, placement).dp_rank == topo.dp_rank for r in own[GroupName.TP])
+    # what the layout makes pointless is not made: no order group with one rank per stage, no reducer at dp=1
+    single = plan_process_groups(Topology(2, 0, 2, 1), options)
+    assert {s.name for s in single} == {GroupName.DP, GroupName.PP, GroupName.TP, GroupName.DP_TP, GroupName.PIPELINE,
+                                        GroupName.HOST}
+
+
 def test_topology_rejects_indivisible_world():
     with pytest.raises(ValueError, match=r"World size 3 is not divisible by pipeline_parallel_degree \(2\)"):
         Topology(world_size=3, rank=0, pipeline_parallel_degree=2)

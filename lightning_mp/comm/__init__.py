@@ -8,7 +8,6 @@ from lightning_mp.comm._planes import (
     PairDataPlane,
     PairGroups,
     StrictMockError,
-    build_pair_groups,
     make_data_plane,
 )
 from lightning_mp.comm._transport import Message, Packed, Transport, pack
@@ -23,7 +22,6 @@ __all__ = [
     "PairGroups",
     "StrictMockError",
     "Transport",
-    "build_pair_groups",
     "connect_remote_outputs",
     "make_data_plane",
     "pack",

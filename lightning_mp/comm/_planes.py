@@ -39,7 +39,7 @@ import collections
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -56,7 +56,6 @@ __all__ = [
     "PairDataPlane",
     "PairGroups",
     "StrictMockError",
-    "build_pair_groups",
     "make_data_plane",
 ]
 
@@ -122,34 +121,6 @@ class PairGroups:
     global_ranks: list[int]
     groups: dict[tuple[int, int], dist.ProcessGroup]
     backend: str
-
-
-def build_pair_groups(pipelines: Sequence[Sequence[int]], backend: str, timeout: timedelta | None = None) -> PairGroups:
-    """Create one 2-rank group per ordered pair of stages of every pipeline, in one global order.
-
-    Every rank of the world must call this with the same ``pipelines`` (``torch.distributed.new_group`` is
-    collective over the world), in the same place of its group-creation sequence.
-
-    Args:
-        pipelines: the global ranks of each pipeline, in stage order; this rank is in exactly one.
-        backend: ``"nccl"`` for the NCCL plane, ``"gloo"`` for the strict mock.
-        timeout: of each group.
-    """
-    rank = dist.get_rank()
-    own = [list(ranks) for ranks in pipelines if rank in ranks]
-    if len(own) != 1:
-        raise ValueError(f"Rank {rank} must be in exactly one pipeline, it is in {len(own)}: {list(pipelines)}.")
-    mine: dict[tuple[int, int], dist.ProcessGroup] = {}
-    for ranks in pipelines:
-        for src, src_rank in enumerate(ranks):
-            for dst, dst_rank in enumerate(ranks):
-                if src == dst:
-                    continue
-                kwargs = {} if timeout is None else {"timeout": timeout}
-                group = dist.new_group([src_rank, dst_rank], backend=backend, **kwargs)
-                if rank in (src_rank, dst_rank):
-                    mine[(src, dst)] = group
-    return PairGroups(own[0].index(rank), own[0], mine, backend)
 
 
 @dataclass
@@ -559,7 +530,7 @@ def make_data_plane(
             ``"nccl"``) or ``"strict_mock"`` (CPU; ``pairs`` built with backend ``"gloo"``).
         group: the transport's gloo group (the gloo plane uses it).
         device: the rank's device.
-        pairs: from :func:`build_pair_groups`, for ``"nccl"`` and ``"strict_mock"``.
+        pairs: from ``lightning_mp.topology.build_pair_groups``, for ``"nccl"`` and ``"strict_mock"``.
         timeout_s: receive timeout and send watchdog of the pair planes.
 
     Raises:
@@ -573,7 +544,7 @@ def make_data_plane(
         raise ValueError(f"The NCCL data plane moves CUDA tensors; this rank's device is {device}. Use 'gloo'.")
     expected = "nccl" if kind == "nccl" else "gloo"
     if pairs is None or pairs.backend != expected:
-        raise ValueError(f"The {kind} data plane needs pair groups from build_pair_groups(..., backend={expected!r}).")
+        raise ValueError(f"The {kind} data plane needs pair groups from lightning_mp.topology.build_pair_groups(..., backend={expected!r}).")
     if kind == "nccl":
         return PairDataPlane(_NcclBackend(pairs), device, timeout_s)
     return PairDataPlane(StrictMockBackend(pairs, timeout_s), torch.device("cpu"), timeout_s)
