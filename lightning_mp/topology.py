@@ -192,7 +192,9 @@ class Topology:
     def pipelines(self) -> list[list[int]]:
         """Global ranks of every pipeline in stage order, pipelines ordered by (replica, tp rank)."""
         dp, pp, tp = self.mesh_shape
-        return [[self.global_rank(dp_rank=d, pp_rank=s, tp_rank=t) for s in range(pp)] for d in range(dp) for t in range(tp)]
+        return [
+            [self.global_rank(dp_rank=d, pp_rank=s, tp_rank=t) for s in range(pp)] for d in range(dp) for t in range(tp)
+        ]
 
     def dp_group_ranks(self) -> list[int]:
         """Global ranks of this rank's data-parallel group (same stage, same tp rank, every replica)."""
@@ -241,20 +243,23 @@ def plan_process_groups(topology: Topology, options: GroupOptions = GroupOptions
     The mesh's ``dp``, ``pp`` and ``tp`` groups come first, one per line of the axis, ordered by the other
     coordinates (``DeviceMesh`` creates them, in its own order, the same on every rank).
     """
-    dp, pp, tp = topology.mesh_shape
-    rank = topology.global_rank
-    specs = [GroupSpec(GroupName.DP, tuple(rank(dp_rank=d, pp_rank=p, tp_rank=t) for d in range(dp))) for p in range(pp) for t in range(tp)]
-    specs += [GroupSpec(GroupName.PP, tuple(rank(dp_rank=d, pp_rank=p, tp_rank=t) for p in range(pp))) for d in range(dp) for t in range(tp)]
-    specs += [GroupSpec(GroupName.TP, tuple(rank(dp_rank=d, pp_rank=p, tp_rank=t) for t in range(tp))) for d in range(dp) for p in range(pp)]
-    stages = [sorted(rank(dp_rank=d, pp_rank=s, tp_rank=t) for d in range(dp) for t in range(tp)) for s in range(pp)]
-    specs += [GroupSpec(GroupName.DP_TP, tuple(ranks)) for ranks in stages]
+    dps, pps, tps = (range(n) for n in topology.mesh_shape)
+
+    def at(d: int, p: int, t: int) -> int:
+        return topology.global_rank(dp_rank=d, pp_rank=p, tp_rank=t)
+
+    specs = [GroupSpec(GroupName.DP, tuple(at(d, p, t) for d in dps)) for p in pps for t in tps]
+    specs += [GroupSpec(GroupName.PP, tuple(at(d, p, t) for p in pps)) for d in dps for t in tps]
+    specs += [GroupSpec(GroupName.TP, tuple(at(d, p, t) for t in tps)) for d in dps for p in pps]
+    stages = [tuple(sorted(at(d, p, t) for d in dps for t in tps)) for p in pps]
+    specs += [GroupSpec(GroupName.DP_TP, ranks) for ranks in stages]
     specs += [GroupSpec(GroupName.PIPELINE, tuple(ranks), "gloo") for ranks in topology.pipelines()]
     if options.host:
         specs.append(GroupSpec(GroupName.HOST, tuple(range(topology.world_size)), "gloo"))
-    if options.order and dp * tp > 1:
-        specs += [GroupSpec(GroupName.ORDER, tuple(ranks), "gloo") for ranks in stages]
-    if options.reducer and dp > 1:
-        specs += [GroupSpec(GroupName.REDUCER, tuple(rank(dp_rank=d, pp_rank=p, tp_rank=t) for d in range(dp))) for p in range(pp) for t in range(tp)]
+    if options.order and len(dps) * len(tps) > 1:
+        specs += [GroupSpec(GroupName.ORDER, ranks, "gloo") for ranks in stages]
+    if options.reducer and len(dps) > 1:
+        specs += [GroupSpec(GroupName.REDUCER, tuple(at(d, p, t) for d in dps)) for p in pps for t in tps]
     return specs
 
 
@@ -296,7 +301,7 @@ class ProcessGroups:
         return self.mesh.get_group(MeshAxis.TP.value)
 
     def smp_groups(self) -> ParallelGroups:
-        """The groups under SMP's names for ``lightning_mp.allgather`` & co. (``DP`` is ``dp_tp``, ``RDP`` is ``dp``)."""
+        """The groups under SMP's names, for ``lightning_mp.allgather`` & co. (``DP`` is ``dp_tp``, ``RDP`` ``dp``)."""
         return ParallelGroups(world=dist.group.WORLD, tp=self.tp, pp=self.pp, dp=self.dp_tp, rdp=self.dp)
 
 

@@ -544,7 +544,7 @@ def make_data_plane(
         raise ValueError(f"The NCCL data plane moves CUDA tensors; this rank's device is {device}. Use 'gloo'.")
     expected = "nccl" if kind == "nccl" else "gloo"
     if pairs is None or pairs.backend != expected:
-        raise ValueError(f"The {kind} data plane needs pair groups from lightning_mp.topology.build_pair_groups(..., backend={expected!r}).")
+        raise ValueError(f"The {kind} data plane needs pair groups from build_pair_groups(..., backend={expected!r}).")
     if kind == "nccl":
         return PairDataPlane(_NcclBackend(pairs), device, timeout_s)
     return PairDataPlane(StrictMockBackend(pairs, timeout_s), torch.device("cpu"), timeout_s)

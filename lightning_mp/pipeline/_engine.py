@@ -357,7 +357,9 @@ class PipelineEngine:
         if self.num_stages > 1:  # one stage runs its microbatches one after the other anyway
             self.gradients.register(p for p in model.parameters() if p is not None)
 
-    def report_gradients(self, params: Iterable[nn.Parameter], on_accumulated: Callable[[nn.Parameter, int], None]) -> None:
+    def report_gradients(
+        self, params: Iterable[nn.Parameter], on_accumulated: Callable[[nn.Parameter, int], None]
+    ) -> None:
         """Tell the gradients' owner, after each accumulation into a parameter's ``.grad``, how many microbatches (from
         0 on) are summed into it: ``on_accumulated(param, summed)`` (see ``OrderedGradients.report``). Call after
         :meth:`order_gradients`."""

@@ -107,7 +107,9 @@ class StepGradients:
         topology = self._groups.topology
         return topology.data_parallel_degree > 1 or topology.tensor_parallel_degree > 1 or self._tied.active
 
-    def begin(self, params: Iterable[nn.Parameter], *, first_in_window: bool, last_in_window: bool, microbatches: int) -> None:
+    def begin(
+        self, params: Iterable[nn.Parameter], *, first_in_window: bool, last_in_window: bool, microbatches: int
+    ) -> None:
         """Before a training batch's pipelined step: set the window's gradients aside (on its first batch: drop
         them, Lightning's ``zero_grad`` would) and, on its last batch, arm the bucketed all-reduce: its gradients are
         final when backward ends, so buckets go out during it."""
@@ -210,7 +212,10 @@ def all_reduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup, s
     for dtype, group_params in by_dtype.items():
         device = group_params[0].device
         flags = torch.tensor([float(p.grad is not None) for p in group_params], dtype=dtype, device=device)
-        chunks = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=dtype, device=device) for p in group_params]
+        chunks = [
+            p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=dtype, device=device)
+            for p in group_params
+        ]
         bucket = torch.cat([*chunks, flags])
         dist.all_reduce(bucket, group=group)
         bucket /= size

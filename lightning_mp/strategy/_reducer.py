@@ -21,8 +21,8 @@ parameters, with two differences that the pipeline brings:
   for a parameter already sent, e.g. a module called twice per microbatch in two separate backward calls, or a
   step that turned out to weight its loss by tokens, whose gradients are divided by the batch's count only after
   the step). If any rank saw one, every rank drops the bucketed results and the step falls back to
-  :func:`~lightning_mp.strategy._gradients.all_reduce_gradients` after backward, and the reducer stays disarmed from then
-  on; all ranks decide this from the same all-reduced number, so they always agree.
+  :func:`~lightning_mp.strategy._gradients.all_reduce_gradients` after backward, and the reducer stays disarmed from
+  then on; all ranks decide this from the same all-reduced number, so they always agree.
 
 Each bucket is one flat tensor (the gradients, then one presence flag per parameter, as in
 ``all_reduce_gradients``): summed over the group, divided by its size, and the averaged gradients are views into it
