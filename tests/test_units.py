@@ -277,3 +277,38 @@ def test_device_mesh_groups_use_the_strategy_timeout(tmp_path):
     error, peer_was_alive = run_distributed(_mesh_group_waits_for_timeout, 2, str(tmp_path / "flag"), start_method="fork")
     assert peer_was_alive is True, "rank 0 gave up only after its peer left: not the mesh group's timeout"
     assert "timed out" in error.lower() or "timeout" in error.lower(), error
+
+
+
+def _built_groups(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    from lightning_mp.topology import GroupOptions, build_process_groups, plan_process_groups
+    from lightning_mp.tp import dp_rank, dp_size, rdp_rank, rdp_size
+
+    topology = Topology(world_size, rank, pipeline_parallel_degree=1, tensor_parallel_degree=2)
+    options = GroupOptions(host=True, order=True, reducer=True)
+    groups = build_process_groups(topology, "cpu", timedelta(seconds=30), options)
+    built = {name: groups.mesh.get_group(name) for name in ("dp", "pp", "tp")}
+    built |= {name: getattr(groups, name) for name in ("dp_tp", "pipeline", "host", "order", "reducer")}
+    planned = {spec.name.value: list(spec.ranks) for spec in plan_process_groups(topology, options) if rank in spec.ranks}
+    smp = groups.smp_groups()
+    return {
+        "built": {name: dist.get_process_group_ranks(group) for name, group in built.items()},
+        "planned": planned,
+        "smp": (dp_rank(smp), dp_size(smp), rdp_rank(smp), rdp_size(smp)),
+        "dp_rank": topology.dp_rank,
+    }
+
+
+def test_built_groups_are_the_planned_ones_and_smp_names_map_onto_them():
+    """At (dp, pp, tp) = (2, 1, 2): each group this rank holds has the planned ranks; SMP's DP is ``dp_tp`` (every
+    rank of the stage) and SMP's RDP the ``dp`` axis, so ``rdp_rank`` is the strategy's ``dp_rank``."""
+    from tests._dist import run_distributed
+
+    results = run_distributed(_built_groups, 4, start_method="fork")
+    for rank, result in enumerate(results):
+        assert result["built"].keys() == result["planned"].keys()
+        for name, ranks in result["planned"].items():
+            assert result["built"][name] == sorted(ranks), (rank, name)
+        assert result["smp"] == (rank, 4, result["dp_rank"], 2)
