@@ -35,7 +35,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from examples.gpt import GPT  # noqa: E402
-from lightning_mp.comm import Transport, build_pair_groups, make_data_plane  # noqa: E402
+from lightning_mp.comm import Transport, make_data_plane  # noqa: E402
+from lightning_mp.topology import build_pair_groups  # noqa: E402
 from lightning_mp.partition import plan, trace  # noqa: E402
 from lightning_mp.pipeline import PipelineEngine, split_microbatches  # noqa: E402
 

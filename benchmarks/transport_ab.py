@@ -27,7 +27,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from lightning_mp.comm import Transport, build_pair_groups, make_data_plane  # noqa: E402
+from lightning_mp.comm import Transport, make_data_plane  # noqa: E402
+from lightning_mp.topology import build_pair_groups  # noqa: E402
 
 _PLANES = ("gloo", "strict_mock")
 

@@ -55,7 +55,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from lightning_mp.comm import PairDataPlane, PairGroups, Transport, build_pair_groups, make_data_plane, pack  # noqa: E402
+from lightning_mp.comm import PairDataPlane, PairGroups, Transport, make_data_plane, pack  # noqa: E402
+from lightning_mp.topology import build_pair_groups  # noqa: E402
 from lightning_mp.comm._pair import _check_thread, _NcclBackend  # noqa: E402
 from lightning_mp.comm._wire import _unpack  # noqa: E402
 from lightning_mp.pipeline import PipelineEngine, split_microbatches  # noqa: E402

@@ -49,7 +49,8 @@ PLANES = ("gloo", "strict_mock")
 
 def make_transport(ranks: list[int], plane: str = "gloo", timeout_s: float = 60.0):
     """A CPU transport over ``ranks`` (every rank of the world calls this, in the same order) on ``plane``."""
-    from lightning_mp.comm import Transport, build_pair_groups, make_data_plane
+    from lightning_mp.comm import Transport, make_data_plane
+    from lightning_mp.topology import build_pair_groups
 
     group = dist.new_group(ranks)
     if plane == "gloo":

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_mp.comm import Transport, build_pair_groups, make_data_plane, pack
+from lightning_mp.comm import Transport, make_data_plane, pack
+from lightning_mp.topology import build_pair_groups
 from lightning_mp.pipeline import PipelineEngine, split_microbatches
 from tests._dist import PLANES, make_transport, run_distributed
 from tests.models import Branchy, expand_placement

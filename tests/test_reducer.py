@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_mp
 from lightning_mp.strategy import _reducer
 from lightning_mp.strategy._reducer import GradientReducer, _make_buckets
-from lightning_mp.strategy._step import GradientStash, all_reduce_gradients
+from lightning_mp.pipeline._grads import OrderedGradients
+from lightning_mp.strategy._gradients import GradientStash, all_reduce_gradients
 from tests._dist import run_distributed
 from tests.test_strategy import CLIP, _fit
 
@@ -47,10 +48,12 @@ def _steps(rank: int, world: int, bucketed: bool, microbatches: int, accumulate:
     stash = GradientStash()
     current: list[int | None] = [None]
     reducer = GradientReducer(
-        params, group, world, is_complete=lambda p, m: current[0] == m - 1, previous=stash.previous,
+        params, group, world, previous=stash.previous,
         first_bucket_bytes=200, bucket_bytes=1200,  # several buckets, one parameter over the cap alone
         launch_in_hooks=launch_in_hooks,
     ) if bucketed else None
+    if reducer is not None:  # as the engine reports accumulations at one stage (``PipelineEngine.report_gradients``)
+        OrderedGradients(lambda: current[0]).report(reducer.bucketed_params, reducer.accumulated)
     generator = torch.Generator().manual_seed(100 + rank)
     results, fell_back, in_backward = [], [], []
     for window in range(2):
@@ -150,7 +153,7 @@ class _RecordReducer(L.Callback):
         self.out_dir = out_dir
 
     def on_train_end(self, trainer, pl_module):
-        reducer = trainer.strategy._reducer
+        reducer = trainer.strategy._gradients.reducer
         torch.save({"enabled": reducer.enabled, "in_backward": reducer.launched_during_backward},
                    os.path.join(self.out_dir, f"reducer{trainer.global_rank}.pt"))
 
@@ -233,7 +236,7 @@ class _SaveParams(L.Callback):
         self.out = out
 
     def on_train_end(self, trainer, pl_module) -> None:
-        reducer = trainer.strategy._reducer
+        reducer = trainer.strategy._gradients.reducer
         torch.save(
             {"enabled": reducer.enabled, "params": {n: p.detach().clone() for n, p in pl_module.named_parameters()}},
             self.out / f"{trainer.global_rank}.pt",

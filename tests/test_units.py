@@ -138,6 +138,45 @@ def test_topology_grid(rank):
     assert len(set(topo.pp_group_ranks()) & set(topo.dp_group_ranks())) == 1
 
 
+@pytest.mark.parametrize("placement", ["cluster", "spread", "PDT"])
+def test_group_plan_order_and_axis_vocabulary(placement):
+    """Every rank plans the same groups in one documented order; each name means one thing: ``dp`` the replicas of
+    one (stage, tp rank) (whose group rank is ``Topology.dp_rank``, SMP's rdp_rank), ``dp_tp`` SMP's DP group."""
+    from lightning_mp.topology import GroupName, GroupOptions, plan_process_groups
+
+    world, pp, tp = 8, 2, 2
+    options = GroupOptions(host=True, order=True, reducer=True)
+    plans = [plan_process_groups(Topology(world, r, pp, tp, placement), options) for r in range(world)]
+    assert all(plan == plans[0] for plan in plans), "every rank must create the same groups in the same order"
+    names = [spec.name for spec in plans[0]]
+    order = [GroupName.DP, GroupName.PP, GroupName.TP, GroupName.DP_TP, GroupName.PIPELINE, GroupName.HOST,
+             GroupName.ORDER, GroupName.REDUCER]
+    assert list(dict.fromkeys(names)) == order
+    assert names.count(GroupName.DP) == pp * tp and names.count(GroupName.DP_TP) == pp
+    gloo = {GroupName.PIPELINE, GroupName.HOST, GroupName.ORDER}  # CPU control groups; the rest use the device's
+    assert all((spec.backend == "gloo") == (spec.name in gloo) for spec in plans[0])
+    for rank in range(world):
+        topo = Topology(world, rank, pp, tp, placement)
+        own = {}
+        for spec in plans[0]:
+            if rank in spec.ranks:
+                assert spec.name not in own, f"rank {rank} is in two {spec.name.value} groups"
+                own[spec.name] = spec.ranks
+        assert set(own) == set(order)
+        assert sorted(own[GroupName.DP]) == sorted(topo.dp_group_ranks())
+        assert sorted(own[GroupName.DP]).index(rank) == topo.dp_rank  # strategy.dp_rank == lightning_mp.rdp_rank
+        assert list(own[GroupName.PP]) == list(own[GroupName.PIPELINE]) == topo.pp_group_ranks()
+        assert own[GroupName.REDUCER] == own[GroupName.DP]
+        stage = {r for r in range(world) if Topology(world, r, pp, tp, placement).pp_rank == topo.pp_rank}
+        assert set(own[GroupName.DP_TP]) == set(own[GroupName.ORDER]) == stage  # SMP's DP: world / pp ranks
+        assert len(own[GroupName.DP_TP]) == world // pp and len(own[GroupName.DP]) == world // (pp * tp)
+        assert all(Topology(world, r, pp, tp, placement).dp_rank == topo.dp_rank for r in own[GroupName.TP])
+    # what the layout makes pointless is not made: no order group with one rank per stage, no reducer at dp=1
+    single = plan_process_groups(Topology(2, 0, 2, 1), options)
+    assert {s.name for s in single} == {GroupName.DP, GroupName.PP, GroupName.TP, GroupName.DP_TP, GroupName.PIPELINE,
+                                        GroupName.HOST}
+
+
 def test_topology_rejects_indivisible_world():
     with pytest.raises(ValueError, match=r"World size 3 is not divisible by pipeline_parallel_degree \(2\)"):
         Topology(world_size=3, rank=0, pipeline_parallel_degree=2)
@@ -244,11 +283,12 @@ def test_device_mesh_groups_use_the_strategy_timeout(tmp_path):
 # The layers of lightning_mp, lowest first: a module may import its own layer or a lower one, never a higher one.
 # Only the last layer imports Lightning; the others are torch-only and usable without a Trainer.
 _LAYERS = (
-    ("config", "topology"),
+    ("config",),
     ("comm", "partition", "init", "memory"),
     ("pipeline",),
     ("tp",),
     ("nn",),
+    ("topology",),  # builds every process group, of comm/ and tp/ included ([Note: process group order])
     ("strategy",),
     ("callbacks", "cli", "smp", ""),  # "" is the package face, lightning_mp/__init__.py
 )
@@ -362,3 +402,38 @@ def test_public_surface_is_grouped_and_moved_names_still_import_with_a_warning()
     assert tp_rank is smp.tp_rank
     with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
         lightning_mp.not_a_name  # noqa: B018
+
+
+
+def _built_groups(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    from lightning_mp.topology import GroupOptions, build_process_groups, plan_process_groups
+    from lightning_mp.tp import dp_rank, dp_size, rdp_rank, rdp_size
+
+    topology = Topology(world_size, rank, pipeline_parallel_degree=1, tensor_parallel_degree=2)
+    options = GroupOptions(host=True, order=True, reducer=True)
+    groups = build_process_groups(topology, "cpu", timedelta(seconds=30), options)
+    built = {name: groups.mesh.get_group(name) for name in ("dp", "pp", "tp")}
+    built |= {name: getattr(groups, name) for name in ("dp_tp", "pipeline", "host", "order", "reducer")}
+    planned = {spec.name.value: list(spec.ranks) for spec in plan_process_groups(topology, options) if rank in spec.ranks}
+    smp = groups.smp_groups()
+    return {
+        "built": {name: dist.get_process_group_ranks(group) for name, group in built.items()},
+        "planned": planned,
+        "smp": (dp_rank(smp), dp_size(smp), rdp_rank(smp), rdp_size(smp)),
+        "dp_rank": topology.dp_rank,
+    }
+
+
+def test_built_groups_are_the_planned_ones_and_smp_names_map_onto_them():
+    """At (dp, pp, tp) = (2, 1, 2): each group this rank holds has the planned ranks; SMP's DP is ``dp_tp`` (every
+    rank of the stage) and SMP's RDP the ``dp`` axis, so ``rdp_rank`` is the strategy's ``dp_rank``."""
+    from tests._dist import run_distributed
+
+    results = run_distributed(_built_groups, 4, start_method="fork")
+    for rank, result in enumerate(results):
+        assert result["built"].keys() == result["planned"].keys()
+        for name, ranks in result["planned"].items():
+            assert result["built"][name] == sorted(ranks), (rank, name)
+        assert result["smp"] == (rank, 4, result["dp_rank"], 2)

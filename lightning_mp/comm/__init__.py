@@ -1,7 +1,7 @@
 """D2D communication: nested structures of tensors between ranks, and autograd across ranks."""
 
 from lightning_mp.comm._autograd import connect_remote_outputs, ragged_like
-from lightning_mp.comm._pair import PairDataPlane, PairGroups, build_pair_groups
+from lightning_mp.comm._pair import PairDataPlane, PairGroups
 from lightning_mp.comm._planes import DataPlane, DataPlaneError, DataPlaneKind, GlooDataPlane, StrictMockError
 from lightning_mp.comm._transport import Transport, make_data_plane
 from lightning_mp.comm._wire import Message, Packed, pack
@@ -17,7 +17,6 @@ __all__ = [
     "PairGroups",
     "StrictMockError",
     "Transport",
-    "build_pair_groups",
     "connect_remote_outputs",
     "make_data_plane",
     "pack",

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from lightning_mp.comm._planes import DataPlaneError, StrictMockError
 from lightning_mp.comm._wire import Packed, gather
 
-__all__ = ["PairDataPlane", "PairGroups", "build_pair_groups"]
+__all__ = ["PairDataPlane", "PairGroups"]
 
 _POLL_S = 0.05
 
@@ -41,34 +41,6 @@ class PairGroups:
     global_ranks: list[int]
     groups: dict[tuple[int, int], dist.ProcessGroup]
     backend: str
-
-
-def build_pair_groups(pipelines: Sequence[Sequence[int]], backend: str, timeout: timedelta | None = None) -> PairGroups:
-    """Create one 2-rank group per ordered pair of stages of every pipeline, in one global order.
-
-    Every rank of the world must call this with the same ``pipelines`` (``torch.distributed.new_group`` is
-    collective over the world), in the same place of its group-creation sequence.
-
-    Args:
-        pipelines: the global ranks of each pipeline, in stage order; this rank is in exactly one.
-        backend: ``"nccl"`` for the NCCL plane, ``"gloo"`` for the strict mock.
-        timeout: of each group.
-    """
-    rank = dist.get_rank()
-    own = [list(ranks) for ranks in pipelines if rank in ranks]
-    if len(own) != 1:
-        raise ValueError(f"Rank {rank} must be in exactly one pipeline, it is in {len(own)}: {list(pipelines)}.")
-    mine: dict[tuple[int, int], dist.ProcessGroup] = {}
-    for ranks in pipelines:
-        for src, src_rank in enumerate(ranks):
-            for dst, dst_rank in enumerate(ranks):
-                if src == dst:
-                    continue
-                kwargs = {} if timeout is None else {"timeout": timeout}
-                group = dist.new_group([src_rank, dst_rank], backend=backend, **kwargs)
-                if rank in (src_rank, dst_rank):
-                    mine[(src, dst)] = group
-    return PairGroups(own[0].index(rank), own[0], mine, backend)
 
 
 @dataclass

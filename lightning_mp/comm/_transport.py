@@ -177,7 +177,7 @@ def make_data_plane(
             ``"nccl"``) or ``"strict_mock"`` (CPU; ``pairs`` built with backend ``"gloo"``).
         group: the transport's gloo group (the gloo plane uses it).
         device: the rank's device.
-        pairs: from :func:`build_pair_groups`, for ``"nccl"`` and ``"strict_mock"``.
+        pairs: from ``lightning_mp.topology.build_pair_groups``, for ``"nccl"`` and ``"strict_mock"``.
         timeout_s: receive timeout and send watchdog of the pair planes.
 
     Raises:

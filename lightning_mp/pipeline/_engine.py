@@ -34,7 +34,7 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
@@ -168,15 +168,13 @@ class PipelineEngine:
         if self.num_stages > 1:  # one stage runs its microbatches one after the other anyway
             self.gradients.register(p for p in model.parameters() if p is not None)
 
-    def gradient_complete(self, param: nn.Parameter, microbatches: int) -> bool:
-        """Inside a parameter's gradient hook: has every one of ``microbatches`` microbatches been summed into its
-        ``.grad``? With several stages the ordered accumulation knows; with one, microbatches run in order, so the
-        last microbatch's contribution is the last (``False`` where the hook runs outside a microbatch's task, e.g.
-        on an accelerator's autograd thread)."""
-        ordered = self.gradients.complete(param, microbatches)
-        if ordered is not None:
-            return ordered
-        return current_microbatch() == microbatches - 1
+    def report_gradients(
+        self, params: Iterable[nn.Parameter], on_accumulated: Callable[[nn.Parameter, int], None]
+    ) -> None:
+        """Tell the gradients' owner, after each accumulation into a parameter's ``.grad``, how many microbatches (from
+        0 on) are summed into it: ``on_accumulated(param, summed)`` (see ``OrderedGradients.report``). Call after
+        :meth:`order_gradients`."""
+        self.gradients.report(params, on_accumulated)
 
     # ---- sessions --------------------------------------------------------------------------------------------
 

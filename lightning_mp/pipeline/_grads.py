@@ -50,12 +50,24 @@ class OrderedGradients:
             param.register_hook(self._incoming(param))
             param.register_post_accumulate_grad_hook(self._accumulated)
 
-    def complete(self, param: nn.Parameter, microbatches: int) -> bool | None:
-        """Whether microbatches ``0..microbatches-1`` have all been accumulated into ``param.grad`` (nothing of them
-        kept aside); ``None`` if ``param`` is not ordered here (one stage: microbatches run one after the other)."""
+    def report(self, params: Iterable[nn.Parameter], on_accumulated: Callable[[nn.Parameter, int], None]) -> None:
+        """After every accumulation into a parameter's ``.grad``, call ``on_accumulated(param, summed)``.
+
+        ``summed``: how many microbatches, from 0 on, are all in ``param.grad`` (nothing of them kept aside). For a
+        parameter ordered here it is the ordered prefix; for any other (one stage: microbatches run one after the
+        other) the current microbatch plus one, or 0 where the hook runs outside a microbatch's task (e.g. on an
+        accelerator's autograd thread). Register after :meth:`register`, so the ordering hook runs first.
+        """
+        for param in params:
+            param.register_post_accumulate_grad_hook(lambda p: on_accumulated(p, self._summed(p)))
+
+    def _summed(self, param: nn.Parameter) -> int:
         with self._lock:
             order = self._orders.get(param)
-            return None if order is None else order.prefix >= microbatches
+            if order is not None:
+                return order.prefix
+        microbatch = self._current()
+        return 0 if microbatch is None else microbatch + 1
 
     def start_step(self) -> None:
         with self._lock:

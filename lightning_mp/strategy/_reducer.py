@@ -9,9 +9,10 @@ parameters, with two differences that the pipeline brings:
 
 * A stage's parameter is final only once *every* microbatch has added its gradient, and (with gradient
   accumulation) only on the last batch of the accumulation window: the strategy arms the reducer for that batch
-  alone (``arm``), and a gradient hook marks a parameter ready when the engine says all microbatches are summed
-  into it (``PipelineEngine.gradient_complete``: the last microbatch at one stage; the ordered accumulation's prefix
-  at several, so a contribution kept aside holds the parameter back until it is added). What is summed is what the
+  alone (``arm``), and a parameter is ready when the engine reports that all microbatches are summed into it
+  (:meth:`GradientReducer.accumulated`, the callback the step's gradient owner hands to
+  ``PipelineEngine.report_gradients``: the last microbatch at one stage; the ordered accumulation's prefix at
+  several, so a contribution kept aside holds the parameter back until it is added). What is summed is what the
   optimizer would see: the gradients of the window's earlier batches (``previous``) plus this batch's.
 * A parameter that no microbatch reaches in a step never becomes ready: when the step ends, ``flush`` launches every
   bucket not launched yet. Buckets are launched in one fixed order on every rank (a bucket waits for all buckets
@@ -20,8 +21,8 @@ parameters, with two differences that the pipeline brings:
   for a parameter already sent, e.g. a module called twice per microbatch in two separate backward calls, or a
   step that turned out to weight its loss by tokens, whose gradients are divided by the batch's count only after
   the step). If any rank saw one, every rank drops the bucketed results and the step falls back to
-  :func:`~lightning_mp.strategy._step.all_reduce_gradients` after backward, and the reducer stays disarmed from then
-  on; all ranks decide this from the same all-reduced number, so they always agree.
+  :func:`~lightning_mp.strategy._gradients.all_reduce_gradients` after backward, and the reducer stays disarmed from
+  then on; all ranks decide this from the same all-reduced number, so they always agree.
 
 Each bucket is one flat tensor (the gradients, then one presence flag per parameter, as in
 ``all_reduce_gradients``): summed over the group, divided by its size, and the averaged gradients are views into it
@@ -63,8 +64,6 @@ class GradientReducer:
         params: this rank's parameters that get gradients, in the model's order; every replica passes the same
             (same stage, same plan).
         group: the data-parallel process group; ``size`` its number of ranks.
-        is_complete: ``is_complete(param, microbatches)``: called in the parameter's gradient hook, whether every
-            microbatch's gradient is summed into ``param.grad`` (``PipelineEngine.gradient_complete``).
         previous: ``previous(param)``: the gradient of the accumulation window's earlier batches, set aside during
             the step (``GradientStash.previous``), or ``None``.
         first_bucket_bytes, bucket_bytes: bucket capacities (``None``: ``FIRST_BUCKET_BYTES``, ``BUCKET_BYTES``, DDP's
@@ -79,14 +78,13 @@ class GradientReducer:
         params: Sequence[nn.Parameter],
         group: dist.ProcessGroup,
         size: int,
-        is_complete: Callable[[nn.Parameter, int], bool],
         previous: Callable[[nn.Parameter], torch.Tensor | None],
         first_bucket_bytes: int | None = None,
         bucket_bytes: int | None = None,
         launch_in_hooks: bool = True,
     ) -> None:
         self._group, self._size = group, size
-        self._is_complete, self._previous = is_complete, previous
+        self._previous = previous
         self._lock = threading.Lock()
         self._launch_in_hooks = launch_in_hooks
         self._params = list(params)
@@ -103,13 +101,16 @@ class GradientReducer:
         self._surprises = 0
         self.launched_during_backward = 0
         """How many buckets went out from gradient hooks (before ``flush``) since construction: a diagnostic."""
-        for param in self._bucket_of:
-            param.register_post_accumulate_grad_hook(self._on_gradient)
 
     @property
     def enabled(self) -> bool:
         """``False`` once a step fell back (the model's gradients do not arrive once per parameter and step)."""
         return self._enabled
+
+    @property
+    def bucketed_params(self) -> list[nn.Parameter]:
+        """The parameters in buckets (those requiring gradients at construction): report their accumulations."""
+        return list(self._bucket_of)
 
     @property
     def num_buckets(self) -> int:
@@ -184,7 +185,9 @@ class GradientReducer:
         self._launched = 0
         self._surprises = 0
 
-    def _on_gradient(self, param: nn.Parameter) -> None:
+    def accumulated(self, param: nn.Parameter, summed: int) -> None:
+        """A gradient was accumulated into ``param.grad`` (a gradient hook): ``summed`` microbatches, from 0 on, are in
+        it. Marks ``param`` ready once all of the armed step's are, and launches the buckets that are complete."""
         if not self._armed:
             return
         index = self._bucket_of[param]
@@ -195,7 +198,7 @@ class GradientReducer:
             if id(param) in bucket.ready or index < self._launched:
                 self._surprises += 1  # a gradient after the parameter was sent
                 return
-            if not self._is_complete(param, self._microbatches):
+            if summed < self._microbatches:
                 return
             bucket.ready.add(id(param))
             bucket.pending -= 1

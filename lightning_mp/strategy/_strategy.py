@@ -49,8 +49,13 @@ from lightning_mp.strategy._prelaunch import check_before_launch
 from lightning_mp.strategy._metrics import load_metric_log, sync_metrics_over
 from lightning_mp.strategy._tied import TiedWeights, build_tied_weights, original_names, replicated_stages
 from lightning_mp.strategy._precision import install_synced_scaler, loss_scale_of
-from lightning_mp.strategy._reducer import GradientReducer
-from lightning_mp.strategy._transport import build_order_transport, build_pipeline_transport, check_data_plane
+from lightning_mp.strategy._gradients import StepGradients
+from lightning_mp.strategy._transport import (
+    build_order_transport,
+    build_pipeline_transport,
+    check_data_plane,
+    group_options,
+)
 from lightning_mp.strategy._summary import (
     gather_parameter_counts,
     silence_single_replica_sync_advice,
@@ -70,21 +75,14 @@ from lightning_mp.strategy._placement import (
     trace_in_child,
 )
 from lightning_mp.strategy._delayed import holds_meta_tensors, is_delayed, materialize_stage, meta_trace_inputs
-from lightning_mp.strategy._step import (
-    GradientStash,
-    LogRecorder,
-    StepSummary,
-    all_reduce_gradients,
-    detach_cpu,
-    replay_logs,
-)
+from lightning_mp.strategy._step import LogRecorder, StepSummary, detach_cpu, replay_logs
 from lightning_mp.strategy._zero import (
     local_optimizer,
     shard_optimizer,
     sync_hyperparameters_from_local,
     track_step_for_schedulers,
 )
-from lightning_mp.topology import MeshAxis, Topology, build_device_mesh
+from lightning_mp.topology import MeshAxis, ProcessGroups, Topology, build_process_groups
 from lightning_mp.tp import ParallelGroups
 
 if TYPE_CHECKING:
@@ -249,12 +247,11 @@ class SMPStrategy(ParallelStrategy):
         self._topology: Topology | None = None
         self._device_mesh: DeviceMesh | None = None
         self._groups: ParallelGroups | None = None
+        self._process_groups: ProcessGroups | None = None  # every group of the run (see lightning_mp/topology.py)
         self._engine: PipelineEngine | None = None
         self._plan: PartitionPlan | None = None
         self._trace: ModelTrace | None = None
-        self._gradients_final = False  # this optimizer step's gradients are averaged (see `_finish_gradients`)
-        self._grads = GradientStash()
-        self._reducer: GradientReducer | None = None  # dp > 1: see [Note: overlapped gradient all-reduce]
+        self._gradients: StepGradients | None = None  # the owner of a step's gradients, built at setup
         self._warned_eval_split = False
         self._warned_replicated = False  # a batch in which nothing splits (see `_split`)
 
@@ -303,6 +300,9 @@ class SMPStrategy(ParallelStrategy):
 
     @property
     def dp_rank(self) -> int:
+        """This rank's data-parallel replica (the ``dp`` axis: the sampler's rank; SMP's ``rdp_rank``). Not
+        ``lightning_mp.dp_rank(strategy.groups)``, which is SMP's DP rank over replicas x tp ranks (see [Note: axis
+        vocabulary] in ``lightning_mp/topology.py``)."""
         return self.topology.dp_rank
 
     @property
@@ -397,8 +397,12 @@ class SMPStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, backend, timeout=self.config.timeout)
         if self._engine is None:  # a later fit/validate/test in the same processes keeps groups, plan and placement
             share_generators()  # without a seed, every rank takes rank 0's: see [Note: ranks start alike]
-            self._device_mesh = build_device_mesh(self._topology, self.root_device.type, self.config.timeout)
-            self._groups = _tp.build_groups(self._topology, self._device_mesh, self.config.timeout)
+            options = group_options(self._topology, self.config, self.root_device)
+            self._process_groups = build_process_groups(
+                self._topology, self.root_device.type, self.config.timeout, options
+            )  # every group from the layout, in one order: see [Note: process group order] in topology.py
+            self._device_mesh = self._process_groups.mesh
+            self._groups = self._process_groups.smp_groups()
             self._engine = self._build_engine()
             release_at_exit(self)  # see [Note: exit-time abort] in _exit.py
 
@@ -422,7 +426,8 @@ class SMPStrategy(ParallelStrategy):
     def _release_process_groups(self) -> None:
         """Drop every object that holds a process group (at exit, after they were destroyed)."""
         self._engine = None
-        self._reducer = None
+        self._gradients = None
+        self._process_groups = None
         self._device_mesh = None
         self._groups = None
 
@@ -435,15 +440,16 @@ class SMPStrategy(ParallelStrategy):
     def _build_engine(self) -> PipelineEngine:
         """The pipeline engine over this rank's pipeline transport (see ``_transport.py``)."""
         topology = self.topology
+        assert self._process_groups is not None
         return PipelineEngine(
-            build_pipeline_transport(topology, self.root_device, self.config),
+            build_pipeline_transport(self._process_groups, self.root_device, self.config),
             topology.pipeline_parallel_degree,
             schedule=self.config.pipeline,
             active_microbatches=self.config.effective_active_microbatches,
             timeout_s=self.config.timeout.total_seconds(),
             forward_context=self.precision_plugin.forward_context,
             global_ranks=topology.pp_group_ranks(),
-            order_transport=build_order_transport(topology, self.root_device, self.config),
+            order_transport=build_order_transport(self._process_groups, self.root_device),
             seed=int(os.environ.get("PL_GLOBAL_SEED", torch.initial_seed())),
             remote_handles=self.config.remote_handles,
         )
@@ -582,22 +588,19 @@ class SMPStrategy(ParallelStrategy):
         self._engine.order_gradients(module)
 
     def _build_reducer(self) -> None:
-        """Bucketed gradient all-reduce over dp during backward (see [Note: overlapped gradient all-reduce]).
-
-        Not with tensor parallelism: there the replicated parameters' gradients are averaged over the tp group
-        first (``_tp.average_replicated_grads``), so the dp all-reduce runs after backward, as it always did.
-        """
-        topology = self.topology
-        if self._reducer is not None or topology.data_parallel_degree == 1 or topology.tensor_parallel_degree > 1:
+        """The owner of a step's gradients (see [Note: a step's reductions] in ``_gradients.py``), with the bucketed
+        all-reduce over dp during backward when the groups include one (dp > 1 without tensor parallelism; with it,
+        the replicated parameters' gradients are reduced over tp first, so dp runs after backward, as it always did)."""
+        if self._gradients is not None:
             return
-        engine = self._engine
-        assert engine is not None
-        self._reducer = GradientReducer(
-            list(self.lightning_module.parameters()),
-            _reducer_group(topology, self.config.timeout),
-            topology.data_parallel_degree,
-            is_complete=engine.gradient_complete,
-            previous=self._grads.previous,
+        assert self._engine is not None and self._process_groups is not None
+        topology = self.topology
+        self._gradients = StepGradients(
+            self.model,
+            self._process_groups,
+            self._tied,
+            self._engine,
+            self.root_device,
             launch_in_hooks=self.root_device.type != "cuda" or topology.pipeline_parallel_degree == 1,
         )
 
@@ -655,12 +658,14 @@ class SMPStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = self.lightning_module.trainer
-        self._gradients_final = False  # final only from this batch's backward to its optimizer step
-        params = list(self.model.parameters())
-        first_in_window = trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
-        self._grads.begin(params, keep_previous=not first_in_window)
-        # the window's last batch: its gradients are final when backward ends, so dp buckets go out during it
-        armed = self._reducer is not None and _steps_optimizer(trainer) and self._reducer.arm(self.config.microbatches)
+        assert self._gradients is not None
+        self._gradients.begin(
+            list(self.model.parameters()),
+            first_in_window=trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0,
+            last_in_window=_steps_optimizer(trainer),
+            microbatches=self.config.microbatches,
+        )
+        summary = None
         try:
             summary = self._pipelined_step(
                 "training_step",
@@ -671,15 +676,8 @@ class SMPStrategy(ParallelStrategy):
                     self.config.microbatches, trainer.accumulate_grad_batches, loss_scale_of(self.precision_plugin)
                 ),
             )
-            if armed:
-                assert self._reducer is not None
-                if summary.num_tokens is not None:  # divided by the count below, after the buckets went out
-                    self._reducer.surprise()
-                self._reducer.flush()
         finally:
-            self._grads.end()
-        if summary.num_tokens:  # see [Note: token-weighted losses]
-            self._grads.scale(1.0 / summary.num_tokens)
+            self._gradients.end(summary)
         return _to_device(summary.output, self.root_device)
 
     @override
@@ -769,62 +767,40 @@ class SMPStrategy(ParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """Finish a pipelined step's backward (it already ran in ``training_step``): put its gradients in ``.grad``.
 
-        On the batch that ends an accumulation window the gradients are made final here (tp average, dp
-        all-reduce, tied sum: :meth:`_finish_gradients`), before ``post_backward`` runs ``on_after_backward``: a
-        hook there sees the averaged gradients, as under DDP (whose all-reduce ends with backward); on the other
-        batches of a window it sees the window's local gradients so far, as under DDP's ``no_sync``.
+        On the batch that ends an accumulation window the gradients are reduced here (``StepGradients.finish``),
+        before ``post_backward`` runs ``on_after_backward``: a hook there sees the averaged gradients, as under DDP
+        (whose all-reduce ends with backward); on the other batches of a window it sees the window's local gradients
+        so far, as under DDP's ``no_sync``.
         """
         module = self.lightning_module
+        assert self._gradients is not None
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        self._grads.apply()
-        if self._syncs_gradients() and _steps_optimizer(module.trainer):
-            self._finish_gradients()
+        self._gradients.apply()
+        if _steps_optimizer(module.trainer):
+            self._gradients.finish()
         return self.precision_plugin.post_backward(closure_loss, module)
-
-    def _syncs_gradients(self) -> bool:
-        return self.topology.data_parallel_degree > 1 or self.topology.tensor_parallel_degree > 1 or self._tied.active
-
-    def _finish_gradients(self) -> None:
-        """The window's gradients final on every rank: averaged over tp (replicated parameters) and dp, tied
-        copies summed. Once per optimizer step (``_gradients_final`` until the step is taken)."""
-        if self._gradients_final:
-            return
-        if self.topology.tensor_parallel_degree > 1:
-            _tp.average_replicated_grads(list(self.model.parameters()), self.groups)
-        if self.topology.data_parallel_degree > 1:
-            if self._reducer is None or not self._reducer.finish():  # not bucketed during backward: now
-                all_reduce_gradients(
-                    list(self.model.parameters()),
-                    self.device_mesh.get_group(MeshAxis.DP.value),
-                    self.topology.data_parallel_degree,
-                )
-        self._tied.reduce_gradients()  # after the dp average, so every copy gets the same bits (_tied.py)
-        self._gradients_final = True
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Step after the gradients are final (once per optimizer step, after accumulation): :meth:`backward` of
-        the window's last batch waited for the buckets launched during backward (see [Note: overlapped gradient
-        all-reduce]) or all-reduced then, and summed replicated tied weights' gradients (``_tied.py``); if
-        backward did not run (a step that returned ``None``), that happens here after the closure."""
-        if not self._syncs_gradients():
+        """Step after the gradients are reduced (once per optimizer step, after accumulation): :meth:`backward` of
+        the window's last batch did it (see [Note: a step's reductions] in ``_gradients.py``); if backward did not
+        run (a step that returned ``None``), it happens here after the closure."""
+        gradients = self._gradients
+        assert gradients is not None
+        if not gradients.syncs:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
-        def closure_then_all_reduce() -> Any:
+        def closure_then_reduce() -> Any:
             result = closure()
-            self._finish_gradients()  # a no-op when backward made them final (it does unless backward was skipped)
+            gradients.finish()  # a no-op when backward reduced them (it does unless backward was skipped)
             return result
 
-        try:
-            return super().optimizer_step(optimizer, closure_then_all_reduce, model, **kwargs)
-        finally:
-            self._gradients_final = False
+        return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float | int) -> None:
-        """``gradient_clip_algorithm="norm"`` over the whole model: reduced over stages and tp shards (``_tp``)."""
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        total = _tp.global_grad_norm(self._tied.counted_once(params), self.groups, self.root_device)
-        torch.nn.utils.clip_grads_with_norm_(params, clip_val, total.to(params[0].dtype if params else torch.float32))
+        """``gradient_clip_algorithm="norm"`` over the whole model: reduced over stages and tp shards."""
+        assert self._gradients is not None
+        self._gradients.clip(optimizer, clip_val)
 
     # ---- collectives -----------------------------------------------------------------------------------------
 
@@ -1060,24 +1036,3 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     from lightning.fabric.utilities.apply_func import move_data_to_device
 
     return move_data_to_device(obj, device)
-
-
-def _reducer_group(topology: Topology, timeout: Any) -> dist.ProcessGroup:
-    """A data-parallel group of the reducer's own (every rank creates every stage's, in one order).
-
-    Its buckets go out from gradient hooks during the step, and a replica may send fewer of them before ``flush``
-    than another (a parameter no microbatch reached there); Lightning's ``sync_dist`` reductions of logged values
-    run on the mesh's groups in between, so on a shared group the two streams of collectives would pair up wrongly
-    (hang or crash). One group per (stage, tp rank), created by every rank in the same order."""
-    mine = None
-    for pp_rank in range(topology.pipeline_parallel_degree):
-        for tp_rank in range(topology.tensor_parallel_degree):
-            ranks = [
-                topology.global_rank(dp_rank=d, pp_rank=pp_rank, tp_rank=tp_rank)
-                for d in range(topology.data_parallel_degree)
-            ]
-            group = dist.new_group(ranks, timeout=timeout)
-            if (pp_rank, tp_rank) == (topology.pp_rank, topology.tp_rank):
-                mine = group
-    assert mine is not None
-    return mine

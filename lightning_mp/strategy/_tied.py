@@ -6,7 +6,8 @@ other stages' modules' tensors, so every stage holding one of those modules keep
 As Megatron-LM (its embedding group) and DeepSpeed (``TiedLayerSpec``) do:
 
 * a *tie group* is the process group of exactly the ranks holding a copy, one per (data-parallel replica, tp rank)
-  and tied parameter; every rank creates all of them at setup, in the plan's order;
+  and tied parameter; every rank creates all of them at setup, in the plan's order (``build_tie_groups``, step 3 of
+  [Note: process group order] in ``lightning_mp/topology.py``);
 * at setup each copy is broadcast from the lowest stage of its group (copies built eagerly, or replayed by delayed
   init, are equal already: this makes it a fact), and put back under every name of the parameter on that rank,
   also in the stubs of holders that run elsewhere (their calls still go to their stage). So every stage holding a
@@ -14,11 +15,12 @@ As Megatron-LM (its embedding group) and DeepSpeed (``TiedLayerSpec``) do:
   ``configure_optimizers`` that sorts parameters by name or by module type (no weight decay for embeddings) puts
   every copy in the same group, as on one device; otherwise the copy of a tied embedding/head on the head's stage
   would look like a ``Linear`` weight, get weight decay, and drift from the embedding's stage;
-* once per optimizer step, after the pipeline's backward, the tp reduction and the data-parallel average, each copy's
-  gradient is summed over its tie group (a copy without a gradient counts as zeros). Every member then holds the
-  same bits (one all-reduce, the same inputs after the dp average), steps the same optimizer state, and the copies
-  stay bitwise equal step after step (Megatron-LM #656: pipelined copies that drifted apart). The sum is the
-  one-process gradient up to float rounding (the stages' contributions are added in another order).
+* once per optimizer step, after the pipeline's backward, the tp reduction and the data-parallel average (see
+  [Note: a step's reductions] in ``_gradients.py``), each copy's gradient is summed over its tie group (a copy
+  without a gradient counts as zeros). Every member then holds the same bits (one all-reduce, the same inputs after
+  the dp average), steps the same optimizer state, and the copies stay bitwise equal step after step (Megatron-LM
+  #656: pipelined copies that drifted apart). The sum is the one-process gradient up to float rounding (the stages'
+  contributions are added in another order).
 * the global gradient norm counts the copy on the lowest stage only;
 * DCP checkpoints keep one entry per parameter under its original FQN (the name ``named_parameters()`` of the
   whole model gives it); a load fills every copy, and every other name of the parameter, from it.
@@ -37,7 +39,7 @@ from torch import nn
 
 from lightning_mp.partition import PartitionPlan, shared_parameters
 from lightning_mp.strategy._launch import print_on_one_rank
-from lightning_mp.topology import Topology
+from lightning_mp.topology import Topology, build_tie_groups
 
 __all__ = ["Tie", "TiedWeights", "build_tied_weights", "original_names", "rename_flat_key", "replicated_stages"]
 
@@ -131,7 +133,8 @@ class TiedWeights:
 def build_tied_weights(
     model: nn.Module, plan: PartitionPlan, names: Mapping[str, str], topology: Topology, timeout: timedelta
 ) -> TiedWeights:
-    """Create every tie group (all ranks, one order) and find this rank's copies. Call after ``engine.install``.
+    """Create every tie group (all ranks, one order: ``build_tie_groups``) and find this rank's copies. Call after
+    ``engine.install``.
 
     Args:
         model: this rank's model, other stages' tensors already freed.
@@ -149,14 +152,8 @@ def build_tied_weights(
     for name, original in names.items():
         every_name.setdefault(original, [original]).append(name)
     ties, missing = [], []
-    for fqn, stages in plan.replicated.items():
-        own_group, src = None, None
-        for dp_rank in range(topology.data_parallel_degree):
-            for tp_rank in range(topology.tensor_parallel_degree):
-                ranks = [topology.global_rank(dp_rank=dp_rank, pp_rank=s, tp_rank=tp_rank) for s in stages]
-                group = dist.new_group(ranks, timeout=timeout)
-                if topology.rank in ranks:
-                    own_group, src = group, ranks[0]
+    tie_groups = build_tie_groups(topology, list(plan.replicated.values()), timeout)
+    for (fqn, stages), (own_group, src) in zip(plan.replicated.items(), tie_groups):
         param = local.get(fqn) if own_group is not None else None
         if own_group is not None and param is None:  # said after every group exists, so that no rank waits alone
             missing.append(f"{fqn!r} (on stages {list(stages)})")

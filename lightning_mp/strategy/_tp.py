@@ -1,17 +1,12 @@
-"""Tensor-parallel glue of ``SMPStrategy``: groups, swaps at setup, gradients and the global norm.
+"""Tensor-parallel glue of ``SMPStrategy``: swaps at setup, the tp group's random state, parameter counts.
 
 [Note: tp in the strategy] The ranks of one tp group read the same batch (the sampler shards over replicas
 only, Megatron's semantics), run the same module calls in the same order (the engine's deterministic order is
-on when tp > 1) and so hold equal replicated activations. Hence:
-
-* replicated parameters (LayerNorms, row biases, position tables) get equal gradients on every tp rank
-  without communication; those marked ``allreduce_grad`` (inputs that differ between tp ranks, e.g.
-  LayerNorms under sequence parallelism, or a replicated parameter used on sharded heads, see [Note: partial
-  gradients] in ``nn/_hf.py``: "sum") are reduced over the tp group once per optimizer step, before the
-  data-parallel average;
-* data-parallel averaging runs over the replicas of one (stage, tp rank) only (the mesh's ``dp`` axis);
-* the gradient norm counts each logical parameter once: the squares of sharded gradients are summed over the
-  tp group, those of replicated ones are taken once, then both are summed over the pipeline stages.
+on when tp > 1) and so hold equal replicated activations. Hence replicated parameters (LayerNorms, row biases,
+position tables) get equal gradients on every tp rank without communication, except those marked
+``allreduce_grad``; how those are reduced, and how the gradient norm counts each logical parameter once, is in
+[Note: a step's reductions] in ``_gradients.py``. The tp group and the other groups come from
+``lightning_mp.topology`` ([Note: process group order]).
 """
 
 from __future__ import annotations
@@ -23,42 +18,12 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_mp.tp import ParallelGroups, TPGroup, reduce_replicated_grads, shard_spec
+from lightning_mp.tp import ParallelGroups, TPGroup, shard_spec
 from lightning_mp.nn import translate_hf
 from lightning_mp.tp._random import RandomStreams, install_sharded_random
 from lightning_mp.tp._swap import SwapReport, swap_modules
-from lightning_mp.topology import MeshAxis, Topology
 
-__all__ = [
-    "apply_tensor_parallelism",
-    "average_replicated_grads",
-    "build_groups",
-    "global_grad_norm",
-    "parameter_counts",
-    "sync_rng_over_tp",
-]
-
-
-def build_groups(topology: Topology, mesh: dist.DeviceMesh, timeout) -> ParallelGroups:
-    """The named groups of this rank; SMP's DP group (one stage, every replica and tp rank) is created here,
-    by every rank for every stage in one order."""
-    own = None
-    for stage in range(topology.pipeline_parallel_degree):
-        ranks = sorted(
-            topology.global_rank(dp_rank=d, pp_rank=stage, tp_rank=t)
-            for d in range(topology.data_parallel_degree)
-            for t in range(topology.tensor_parallel_degree)
-        )
-        group = dist.new_group(ranks, timeout=timeout)
-        if topology.rank in ranks:
-            own = group
-    return ParallelGroups(
-        world=dist.group.WORLD,
-        tp=mesh.get_group(MeshAxis.TP.value),
-        pp=mesh.get_group(MeshAxis.PP.value),
-        dp=own,
-        rdp=mesh.get_group(MeshAxis.DP.value),
-    )
+__all__ = ["apply_tensor_parallelism", "parameter_counts", "sync_rng_over_tp"]
 
 
 def apply_tensor_parallelism(
@@ -137,24 +102,3 @@ def parameter_counts(model: nn.Module) -> tuple[int, int]:
         local += p.numel()
         full += p.numel() if spec is None else p.numel() // p.size(spec.dim) * spec.full_size
     return local, full
-
-
-def average_replicated_grads(params: list[nn.Parameter], groups: ParallelGroups) -> None:
-    """Reduce over the tp group the gradients of parameters marked ``allreduce_grad`` ("mean" or "sum")."""
-    reduce_replicated_grads(params, groups.tp)
-
-
-def global_grad_norm(params: list[nn.Parameter], groups: ParallelGroups, device: torch.device) -> torch.Tensor:
-    """The 2-norm of the whole model's gradient, each logical parameter counted once (see the Note)."""
-    squares = torch.zeros(2, dtype=torch.float64, device=device)  # (sharded, replicated)
-    for p in params:
-        if p.grad is not None:
-            squares[0 if shard_spec(p) is not None else 1] += p.grad.detach().to(torch.float64).pow(2).sum()
-    tp_size = dist.get_world_size(groups.tp)
-    if tp_size > 1:
-        dist.all_reduce(squares, group=groups.tp)
-        squares[1] /= tp_size
-    total = squares.sum().reshape(1)
-    if dist.get_world_size(groups.pp) > 1:
-        dist.all_reduce(total, group=groups.pp)
-    return total.sqrt().reshape(())

@@ -1,6 +1,7 @@
 """The strategy's transports: a CPU gloo control group per pipeline, and the data plane chosen for the device.
 
-See [Note: two planes] in ``lightning_mp/comm/_planes.py``. Every rank creates every group, in one order.
+See [Note: two planes] in ``lightning_mp/comm/_planes.py``. The groups come from ``lightning_mp.topology`` (see
+[Note: process group order] there); this module decides which ones a run needs and wires them into transports.
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_mp.comm import Transport, build_pair_groups, make_data_plane
+from lightning_mp.comm import Transport, make_data_plane
 from lightning_mp.config import SMPConfig
-from lightning_mp.topology import Topology
+from lightning_mp.topology import GroupOptions, ProcessGroups, Topology, build_pair_groups
 
-__all__ = ["build_order_transport", "build_pipeline_transport", "check_data_plane"]
+__all__ = ["build_order_transport", "build_pipeline_transport", "check_data_plane", "group_options"]
 
 _NCCL_SHARES_GPUS = (2, 30)  # NCCL before 2.30 refuses two ranks of one communicator on one GPU
 
@@ -29,34 +30,36 @@ def check_data_plane(config: SMPConfig, device: torch.device) -> None:
         )
 
 
-def _pipelines(topology: Topology) -> list[list[int]]:
-    return [
-        [topology.global_rank(dp_rank=d, pp_rank=s, tp_rank=t) for s in range(topology.pipeline_parallel_degree)]
-        for d in range(topology.data_parallel_degree)
-        for t in range(topology.tensor_parallel_degree)
-    ]
+def group_options(topology: Topology, config: SMPConfig, device: torch.device) -> GroupOptions:
+    """Which optional groups this run needs: ``host`` (the data plane may be NCCL: look which stages share a GPU),
+    ``order`` (deterministic grant order) and ``reducer`` (the bucketed dp all-reduce, which runs without tensor
+    parallelism; see ``_build_reducer`` in ``_strategy.py``)."""
+    return GroupOptions(
+        host=config.data_plane != "gloo" and device.type == "cuda" and topology.pipeline_parallel_degree > 1,
+        order=config.effective_deterministic_order,
+        reducer=topology.tensor_parallel_degree == 1,
+    )
 
 
-def _shared_gpu(pipelines: list[list[int]], device: torch.device, config: SMPConfig) -> str | None:
+def _shared_gpu(pipelines: list[list[int]], device: torch.device, host: dist.ProcessGroup) -> str | None:
     """Which stages of one pipeline share a GPU (a sentence), or None. A collective over the world (gloo)."""
-    world = dist.new_group(backend="gloo", timeout=config.timeout)
     where = [None] * dist.get_world_size()
-    dist.all_gather_object(where, (socket.gethostname(), device.index), group=world)
+    dist.all_gather_object(where, (socket.gethostname(), device.index), group=host)
     for ranks in pipelines:
         seen: dict[tuple, int] = {}
         for stage, rank in enumerate(ranks):
             other = seen.setdefault(tuple(where[rank]), stage)
             if other != stage:
-                host, index = where[rank]
-                return f"stages {other} and {stage} (global ranks {ranks[other]}, {rank}) share cuda:{index} on {host}"
+                host_name, index = where[rank]
+                return f"stages {other} and {stage} (global ranks {ranks[other]}, {rank}) share cuda:{index} on {host_name}"
     return None
 
 
-def _data_plane_kind(pipelines: list[list[int]], device: torch.device, config: SMPConfig) -> str:
+def _data_plane_kind(groups: ProcessGroups, device: torch.device, config: SMPConfig) -> str:
     """The same answer on every rank (it depends on gathered facts only)."""
-    if config.data_plane == "gloo" or device.type != "cuda" or config.pipeline_parallel_degree == 1:
+    if groups.host is None:  # gloo asked for, a CPU device, or one stage (see `group_options`)
         return "gloo"
-    shared = _shared_gpu(pipelines, device, config)
+    shared = _shared_gpu(groups.topology.pipelines(), device, groups.host)
     if shared is None or torch.cuda.nccl.version() >= _NCCL_SHARES_GPUS:
         return "nccl"
     version = ".".join(map(str, torch.cuda.nccl.version()))
@@ -69,38 +72,18 @@ def _data_plane_kind(pipelines: list[list[int]], device: torch.device, config: S
     return "gloo"
 
 
-def build_pipeline_transport(topology: Topology, device: torch.device, config: SMPConfig) -> Transport:
-    """This rank's pipeline transport: a gloo control group per pipeline, and the data plane (pair groups for NCCL)."""
-    pipelines = _pipelines(topology)
-    own = None
-    for ranks in pipelines:
-        group = dist.new_group(ranks, timeout=config.timeout, backend="gloo")
-        if topology.rank in ranks:
-            own = group
-    assert own is not None
-    kind = _data_plane_kind(pipelines, device, config)
-    pairs = build_pair_groups(pipelines, "nccl", config.timeout) if kind == "nccl" else None
-    plane = make_data_plane(kind, own, device, pairs, config.timeout.total_seconds())
-    return Transport(own, device, plane)
+def build_pipeline_transport(groups: ProcessGroups, device: torch.device, config: SMPConfig) -> Transport:
+    """This rank's pipeline transport: its pipeline's gloo control group, and the data plane (pair groups for NCCL,
+    created here at step 2 of [Note: process group order])."""
+    kind = _data_plane_kind(groups, device, config)
+    pairs = build_pair_groups(groups.topology.pipelines(), "nccl", config.timeout) if kind == "nccl" else None
+    plane = make_data_plane(kind, groups.pipeline, device, pairs, config.timeout.total_seconds())
+    return Transport(groups.pipeline, device, plane)
 
 
-def build_order_transport(topology: Topology, device: torch.device, config: SMPConfig) -> Transport | None:
-    """With ``deterministic_order``: one gloo group per stage over every replica and TP rank (lowest rank leads).
+def build_order_transport(groups: ProcessGroups, device: torch.device) -> Transport | None:
+    """With ``deterministic_order``: over this stage's ``order`` group (every replica and TP rank; lowest rank leads).
 
     Its messages are small pickles (grant keys), so its data plane is gloo.
     """
-    replicas_per_stage = topology.data_parallel_degree * topology.tensor_parallel_degree
-    if not config.effective_deterministic_order or replicas_per_stage == 1:
-        return None
-    own = None
-    for stage in range(topology.pipeline_parallel_degree):
-        ranks = [
-            topology.global_rank(dp_rank=d, pp_rank=stage, tp_rank=t)
-            for d in range(topology.data_parallel_degree)
-            for t in range(topology.tensor_parallel_degree)
-        ]
-        group = dist.new_group(sorted(ranks), timeout=config.timeout, backend="gloo")
-        if topology.rank in ranks:
-            own = group
-    assert own is not None
-    return Transport(own, device)
+    return None if groups.order is None else Transport(groups.order, device)

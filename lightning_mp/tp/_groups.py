@@ -5,9 +5,11 @@ the groups are one explicit object, :class:`ParallelGroups`, that the strategy b
 (``SMPStrategy.groups``) and hands to whoever needs it; the helpers take it as their first argument, so no code
 ever falls back to the default group silently.
 
-Group meanings (SMP's names): ``TP`` the tensor-parallel group; ``PP`` the pipeline of one replica; ``RDP``
-the replicas of one (stage, tp rank), over which gradients are averaged; ``DP`` SMP's data-parallel group, the
-ranks of one stage over every replica and tp rank (``RDP x TP``); ``WORLD`` every rank.
+Group meanings (SMP's names, kept for SMP's helpers): ``TP`` the tensor-parallel group; ``PP`` the pipeline of
+one replica; ``RDP`` the replicas of one (stage, tp rank), over which gradients are averaged; ``DP`` SMP's
+data-parallel group, the ranks of one stage over every replica and tp rank (``RDP x TP``); ``WORLD`` every rank.
+The rest of the package names these by its own axes (see [Note: axis vocabulary] in ``lightning_mp/topology.py``):
+SMP's ``RDP`` is the ``dp`` axis (``SMPStrategy.dp_rank`` is ``rdp_rank(groups)``) and SMP's ``DP`` is ``dp_tp``.
 """
 
 from __future__ import annotations
@@ -55,8 +57,9 @@ class ParallelGroups:
         world: every rank.
         tp: this rank's tensor-parallel group.
         pp: this rank's pipeline (one replica, one tp rank).
-        dp: this stage's ranks over every replica and tp rank (SMP's DP group).
-        rdp: this (stage, tp rank)'s replicas (SMP's "reduced" DP group; gradients are averaged here).
+        dp: this stage's ranks over every replica and tp rank (SMP's DP group; the package's ``dp_tp``).
+        rdp: this (stage, tp rank)'s replicas (SMP's "reduced" DP group, the package's ``dp`` axis; gradients are
+            averaged here).
     """
 
     world: dist.ProcessGroup
@@ -106,7 +109,8 @@ def pp_size(groups: ParallelGroups) -> int:
 
 
 def dp_rank(groups: ParallelGroups) -> int:
-    """This rank's index in SMP's DP group (replicas x tp ranks of its stage)."""
+    """This rank's index in SMP's DP group (replicas x tp ranks of its stage); ``SMPStrategy.dp_rank`` is
+    :func:`rdp_rank` instead."""
     return _rank(groups, CommGroup.DP)
 
 
