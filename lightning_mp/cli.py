@@ -19,6 +19,7 @@ import sys
 from functools import partial
 from typing import Any
 
+from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_mp  # registers "smp"
@@ -38,6 +39,7 @@ def main(args: list[str] | None = None) -> None:
         # `examples.*` and user modules in the working directory resolve (absolute path: jsonargparse changes
         # directory to the config file's folder while parsing it)
         sys.path.insert(0, cwd)
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)  # `--help` shows each SMPConfig field's docstring
     SMPCLI(
         args=args,
         subclass_mode_model=True,
@@ -60,7 +62,7 @@ class SMPCLI(LightningCLI):
 
     The CLI instantiates the model before the trainer, so a model that builds its layers in ``__init__`` (like
     ``examples.gpt.GPT``) would be built eagerly on every rank. With ``delayed_parameter_initialization: true``
-    in the ``SMPStrategy`` init args, or a ``lightning_mp.DelayedParameterInit`` callback, the model is
+    in the ``SMPStrategy`` init args (or in their ``config``), or a ``lightning_mp.DelayedParameterInit`` callback, the model is
     instantiated inside :func:`lightning_mp.delay_param_initialization` instead (the data module is not).
     """
 
@@ -89,6 +91,8 @@ class SMPCLI(LightningCLI):
             return
         init_args = strategy.get("init_args")
         arguments = {k: v for k, v in vars(init_args).items() if k not in _PLUGINS} if init_args is not None else {}
+        if arguments.get("config") is not None:  # `config: {field: value, ...}`, still a namespace here
+            arguments["config"] = lightning_mp.SMPConfig(**vars(arguments["config"]))
         try:
             strategy_class(**arguments)
         except (ValueError, TypeError) as err:
@@ -119,7 +123,10 @@ class SMPCLI(LightningCLI):
             return False
         strategy = trainer.get("strategy")
         init_args = strategy.get("init_args") if hasattr(strategy, "get") else None
+        config = init_args.get("config") if init_args is not None else None
         if init_args is not None and init_args.get("delayed_parameter_initialization"):
+            return True
+        if config is not None and config.get("delayed_parameter_initialization"):
             return True
         callbacks = trainer.get("callbacks") or []
         return any(str(getattr(c, "class_path", "")).endswith("DelayedParameterInit") for c in callbacks)

@@ -66,11 +66,11 @@ def test_a_batch_in_which_nothing_splits_warns_once_naming_what_was_replicated()
     strategy = SMPStrategy(microbatches=2)
     batch = {"text": "one string", "n": 3}
     with pytest.warns(UserWarning, match=r"Nothing in this batch splits.*batch\['text'\], batch\['n'\]"):
-        assert strategy._split(batch, training=True) == [batch, batch]
+        assert strategy._runner.split(batch, training=True) == [batch, batch]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        strategy._split(batch, training=True)  # once
-        SMPStrategy(microbatches=2)._split({"text": ["a", "b"]}, training=True)  # it splits: no warning
+        strategy._runner.split(batch, training=True)  # once
+        SMPStrategy(microbatches=2)._runner.split({"text": ["a", "b"]}, training=True)  # it splits: no warning
 
 
 def test_split_then_merge_is_identity_for_tensors():
