@@ -62,8 +62,9 @@ class SMPCLI(LightningCLI):
 
     The CLI instantiates the model before the trainer, so a model that builds its layers in ``__init__`` (like
     ``examples.gpt.GPT``) would be built eagerly on every rank. With ``delayed_parameter_initialization: true``
-    in the ``SMPStrategy`` init args (or in their ``config``), or a ``lightning_mp.DelayedParameterInit`` callback, the model is
-    instantiated inside :func:`lightning_mp.delay_param_initialization` instead (the data module is not).
+    in the ``SMPStrategy`` init args (or in their ``config``), or a ``lightning_mp.DelayedParameterInit``
+    callback, the model is instantiated inside :func:`lightning_mp.delay_param_initialization` instead (the data
+    module is not).
     """
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:

@@ -85,7 +85,7 @@ class SMPConfig:
     Costs one small message per task from the leader; requires the replicas to make the same calls (no
     data-dependent control flow that differs between replicas). ``None``: on when ``tensor_parallel_degree > 1``."""
 
-    # ---- Placement: which module runs on which stage (a ``with lightning_mp.partition(k)`` block in the model places too)
+    # ---- Placement: which module runs on which stage (``with lightning_mp.partition(k)`` in the model places too)
     auto_partition: bool = True
     """Place modules on stages automatically (balanced by the cost model). If ``False``, modules not named in
     ``partition`` go to ``default_partition``."""

@@ -48,8 +48,9 @@ class StepSummary:
     Attributes:
         output: the merged, detached step output.
         logs: the logged values, reduced over microbatches.
-        num_tokens: with token-weighted losses (see [Note: token-weighted losses]), the sum of the microbatches'
-            ``num_tokens``; every stage divides its gradients of the step by it. ``None`` otherwise.
+        num_tokens: with token-weighted losses (see [Note: token-weighted losses] in ``_runner.py``), the sum of
+            the microbatches' ``num_tokens``; every stage divides its gradients of the step by it. ``None``
+            otherwise.
         metric_states: the states of metrics the step updated but did not log (see [Note: metrics in a
             pipelined step]); the other stages load them.
     """

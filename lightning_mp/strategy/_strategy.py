@@ -8,13 +8,11 @@ Each Lightning hook here is one or two calls into the modules that own the work 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,7 +25,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import pl_worker_init_function, reset_seed
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -45,14 +43,14 @@ from lightning_mp.partition import ModelTrace, PartitionPlan
 from lightning_mp.pipeline import PipelineEngine
 from lightning_mp.strategy import _checkpoint, _saving
 from lightning_mp.strategy import _tp
-from lightning_mp.strategy._delayed import holds_meta_tensors, is_delayed
+from lightning_mp.strategy._delayed import is_delayed, kept_on_meta
 from lightning_mp.strategy._exit import release_at_exit
 from lightning_mp.strategy._launch import apply_thread_policy, make_launcher
 from lightning_mp.strategy._metrics import sync_metrics_over
 from lightning_mp.strategy._precision import install_synced_scaler, loss_scale_of
 from lightning_mp.strategy._prelaunch import check_before_launch
 from lightning_mp.strategy._reducer import GradientReducer
-from lightning_mp.strategy._replicas import share_generators, sync_initial_states
+from lightning_mp.strategy._replicas import seed_workers_by_replica, share_generators, sync_initial_states
 from lightning_mp.strategy._runner import LossScale, StepRunner
 from lightning_mp.strategy._saving import unwrap_optimizer as _unwrap
 from lightning_mp.strategy._stages import build_engine, check_supported, choose_plan, install_stage
@@ -64,7 +62,7 @@ from lightning_mp.strategy._summary import (
 )
 from lightning_mp.strategy._tied import TiedWeights, original_names
 from lightning_mp.strategy._transport import check_data_plane
-from lightning_mp.strategy._zero import local_optimizer, shard_optimizer, track_step_for_schedulers
+from lightning_mp.strategy._zero import local_optimizer, shard_optimizers
 from lightning_mp.topology import MeshAxis, Topology, build_device_mesh
 from lightning_mp.tp import ParallelGroups
 
@@ -73,6 +71,8 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["SMPStrategy"]
+
+T = TypeVar("T")
 
 
 class SMPStrategy(ParallelStrategy):
@@ -116,13 +116,7 @@ class SMPStrategy(ParallelStrategy):
         precision_plugin: Precision | None = None,
         **fields: Any,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+        super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         fields = config_fields(fields)
         self.config = SMPConfig(**fields) if config is None else replace(config, **fields)
         self._runner = StepRunner(self.config.microbatches, self.config.non_split_inputs)
@@ -146,22 +140,16 @@ class SMPStrategy(ParallelStrategy):
     @property
     def topology(self) -> Topology:
         """This rank's (dp, pp, tp) coordinates. Available after ``setup_environment``."""
-        if self._topology is None:
-            raise RuntimeError("The topology exists after the processes are launched; call `trainer.fit` first.")
-        return self._topology
+        return _launched(self._topology, "The topology exists")
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        if self._device_mesh is None:
-            raise RuntimeError("The device mesh exists after the processes are launched; call `trainer.fit` first.")
-        return self._device_mesh
+        return _launched(self._device_mesh, "The device mesh exists")
 
     @property
     def groups(self) -> ParallelGroups:
         """Named process groups (``TP``, ``PP``, ``DP``, ``RDP``, ``WORLD``) for ``lightning_mp.allgather`` & co."""
-        if self._groups is None:
-            raise RuntimeError("The process groups exist after the processes are launched; call `trainer.fit` first.")
-        return self._groups
+        return _launched(self._groups, "The process groups exist")
 
     @property
     def partition_plan(self) -> PartitionPlan:
@@ -224,17 +212,8 @@ class SMPStrategy(ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Under ``seed_everything(workers=True)``, seed loader workers by data-parallel rank, not global rank.
-
-        Lightning then leaves the ``worker_init_fn`` alone; every pp/tp rank of a replica draws in its workers what
-        ``ddp``'s rank ``dp_rank`` draws (one device's with one replica), so the ranks of a replica read one batch.
-        """
-        if (
-            int(os.environ.get("PL_SEED_WORKERS", 0))
-            and getattr(dataloader, "worker_init_fn", False) is None
-            and self._topology is not None
-        ):
-            dataloader.worker_init_fn = partial(pl_worker_init_function, rank=self._topology.dp_rank)  # type: ignore[attr-defined]
+        if self._topology is not None:  # workers seeded by replica (see _replicas.py)
+            seed_workers_by_replica(dataloader, self._topology.dp_rank)
         return dataloader
 
     @property
@@ -404,23 +383,11 @@ class SMPStrategy(ParallelStrategy):
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
-        if self.config.shard_optimizer_state and self.topology.data_parallel_degree > 1:
-            self._shard_optimizers()
-        elif self.config.shard_optimizer_state:
-            rank_zero_warn(
-                "shard_optimizer_state=True has no effect with one data-parallel replica (world size = pipeline x"
-                " tensor parallel degree); use more devices to shard the optimizer state."
+        if self.config.shard_optimizer_state:  # ZeRO-1, see [Note: sharded optimizer state] in _zero.py
+            self.optimizers = shard_optimizers(
+                self.optimizers, self.lr_scheduler_configs, self.device_mesh.get_group(MeshAxis.DP.value),
+                self.topology.data_parallel_degree,
             )
-
-    def _shard_optimizers(self) -> None:
-        """ZeRO-1 over this stage's dp group; schedulers follow (see [Note: sharded optimizer state])."""
-        group = self.device_mesh.get_group(MeshAxis.DP.value)
-        sharded = {id(o): shard_optimizer(o, group) for o in self.optimizers}
-        for config in self.lr_scheduler_configs:
-            if id(config.scheduler.optimizer) in sharded:
-                config.scheduler.optimizer = sharded[id(config.scheduler.optimizer)]
-                track_step_for_schedulers(config.scheduler.optimizer)
-        self.optimizers = list(sharded.values())
 
     @override
     def model_to_device(self) -> None:
@@ -608,23 +575,16 @@ class SMPStrategy(ParallelStrategy):
     def teardown(self) -> None:
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
-        module = self.lightning_module
-        if module is None or not holds_meta_tensors(module):
+        with kept_on_meta(self.lightning_module):  # a setup that failed before materialisation (see _delayed.py)
             super().teardown()
-            return
-        # a setup that failed before materialisation: the model is still on meta and Lightning's move to CPU would
-        # raise "Cannot copy out of meta tensor" over the error that stopped the setup; there is nothing to move
-        module.cpu = lambda: module
-        try:
-            super().teardown()
-        finally:
-            del module.cpu
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
-            "smp", cls, description="lightning_mp: automatic pipeline partitioning x tensor x data parallel (SageMaker MP design)"
+            "smp",
+            cls,
+            description="lightning_mp: automatic pipeline partitioning x tensor x data parallel (SageMaker MP design)",
         )
 
 
@@ -645,6 +605,12 @@ def _steps_optimizer(trainer: pl.Trainer) -> bool:
     if should_accumulate is None:  # another Lightning version: only without accumulation is it certain
         return trainer.accumulate_grad_batches == 1
     return not should_accumulate()
+
+
+def _launched(value: T | None, what_exists: str) -> T:
+    if value is None:
+        raise RuntimeError(f"{what_exists} after the processes are launched; call `trainer.fit` first.")
+    return value
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
