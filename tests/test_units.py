@@ -128,6 +128,38 @@ def test_config_defaults_follow_smp():
     assert config.effective_active_microbatches == 5
 
 
+def test_strategy_takes_a_config_with_field_overrides_and_names_unknown_fields():
+    config = SMPConfig(pipeline_parallel_degree=2, microbatches=4, start_method="spawn")
+    strategy = SMPStrategy(config, microbatches=8, non_split_inputs=["table"])
+    assert strategy.config == dataclasses.replace(config, microbatches=8, non_split_inputs=("table",))
+    assert config.microbatches == 4, "the given config is not changed"
+    with pytest.raises(TypeError, match="unexpected argument `microbatch`. Did you mean `microbatches`"):
+        SMPStrategy(microbatch=2)
+    with pytest.raises(TypeError, match="`remote_handles` is no longer an argument"):
+        SMPStrategy(remote_handles=False)
+    with pytest.raises(ValueError, match="`start_method` must be 'popen', 'spawn' or 'fork', got 'forkserver'"):
+        SMPStrategy(start_method="forkserver")
+    with pytest.raises(ValueError, match="`replan_on_resume` must be True or False, got 'yes'"):
+        SMPConfig(replan_on_resume="yes")
+
+
+def test_every_config_field_is_written_once_with_its_docstring():
+    """SMPConfig is the one place a knob is written: each field has a docstring, and SMPStrategy's signature holds
+    only Lightning's plugins (the fields come through ``**fields``)."""
+    import ast
+    import inspect
+
+    body = ast.parse(inspect.getsource(SMPConfig)).body[0].body
+    fields = [node.target.id for node in body if isinstance(node, ast.AnnAssign)]
+    documented = [
+        node.target.id for node, after in zip(body, body[1:])
+        if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+    ]
+    assert fields == [f.name for f in dataclasses.fields(SMPConfig)] and documented == fields
+    own = set(inspect.signature(SMPStrategy).parameters) - {"config", "fields"}
+    assert own == {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
+
+
 @pytest.mark.parametrize("rank", range(8))
 def test_topology_grid(rank):
     topo = Topology(world_size=8, rank=rank, pipeline_parallel_degree=2, tensor_parallel_degree=1)
