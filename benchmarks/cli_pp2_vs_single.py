@@ -31,8 +31,8 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 class WithoutHandles(lightning_mp.SMPStrategy):
     """``SMPStrategy`` with the pipeline engine's remote handles off (an engine switch, not a user knob)."""
 
-    def __init__(self, config: lightning_mp.SMPConfig | None = None, **fields: Any) -> None:
-        super().__init__(config, _remote_handles=False, **fields)
+    def __init__(self, **fields: Any) -> None:
+        super().__init__(_remote_handles=False, **fields)
 
 
 def _run(config: str, steps: int, tree: str, extra: list[str]) -> float:

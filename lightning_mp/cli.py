@@ -62,9 +62,8 @@ class SMPCLI(LightningCLI):
 
     The CLI instantiates the model before the trainer, so a model that builds its layers in ``__init__`` (like
     ``examples.gpt.GPT``) would be built eagerly on every rank. With ``delayed_parameter_initialization: true``
-    in the ``SMPStrategy`` init args (or in their ``config``), or a ``lightning_mp.DelayedParameterInit``
-    callback, the model is instantiated inside :func:`lightning_mp.delay_param_initialization` instead (the data
-    module is not).
+    in the ``SMPStrategy`` init args, or a ``lightning_mp.DelayedParameterInit`` callback, the model is
+    instantiated inside :func:`lightning_mp.delay_param_initialization` instead (the data module is not).
     """
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
@@ -92,8 +91,6 @@ class SMPCLI(LightningCLI):
             return
         init_args = strategy.get("init_args")
         arguments = {k: v for k, v in vars(init_args).items() if k not in _PLUGINS} if init_args is not None else {}
-        if arguments.get("config") is not None:  # `config: {field: value, ...}`, still a namespace here
-            arguments["config"] = lightning_mp.SMPConfig(**vars(arguments["config"]))
         try:
             strategy_class(**arguments)
         except (ValueError, TypeError) as err:
@@ -124,10 +121,7 @@ class SMPCLI(LightningCLI):
             return False
         strategy = trainer.get("strategy")
         init_args = strategy.get("init_args") if hasattr(strategy, "get") else None
-        config = init_args.get("config") if init_args is not None else None
         if init_args is not None and init_args.get("delayed_parameter_initialization"):
-            return True
-        if config is not None and config.get("delayed_parameter_initialization"):
             return True
         callbacks = trainer.get("callbacks") or []
         return any(str(getattr(c, "class_path", "")).endswith("DelayedParameterInit") for c in callbacks)

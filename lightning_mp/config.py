@@ -1,6 +1,6 @@
 """The one dataclass of every lightning_mp knob, validated on construction.
 
-Each field is written here once, with its docstring; ``SMPStrategy(**fields)``, ``SMPStrategy(config=...)`` and
+Each field is written here once, with its docstring; ``SMPStrategy(**fields)``, ``SMPStrategy.from_config`` and
 the CLI's ``trainer.strategy.init_args`` (jsonargparse reads these fields and their docstrings) all take them.
 Names follow the SageMaker model parallelism library (Karakus et al., 2021, arXiv 2111.05972; the "smp" v1
 configuration keys such as ``partitions``, ``microbatches``, ``pipeline``, ``active_microbatches``,

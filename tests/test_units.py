@@ -128,11 +128,11 @@ def test_config_defaults_follow_smp():
     assert config.effective_active_microbatches == 5
 
 
-def test_strategy_takes_a_config_with_field_overrides_and_names_unknown_fields():
-    config = SMPConfig(pipeline_parallel_degree=2, microbatches=4, start_method="spawn")
-    strategy = SMPStrategy(config, microbatches=8, non_split_inputs=["table"])
-    assert strategy.config == dataclasses.replace(config, microbatches=8, non_split_inputs=("table",))
-    assert config.microbatches == 4, "the given config is not changed"
+def test_strategy_takes_fields_or_a_config_and_names_unknown_fields():
+    config = SMPConfig(pipeline_parallel_degree=2, microbatches=4, start_method="spawn", _remote_handles=False)
+    assert SMPStrategy.from_config(config).config == config
+    strategy = SMPStrategy(pipeline_parallel_degree=2, microbatches=4, start_method="spawn", non_split_inputs=["t"])
+    assert strategy.config == dataclasses.replace(config, non_split_inputs=("t",), _remote_handles=True)
     with pytest.raises(TypeError, match="unexpected argument `microbatch`. Did you mean `microbatches`"):
         SMPStrategy(microbatch=2)
     with pytest.raises(TypeError, match="`remote_handles` is no longer an argument"):
@@ -156,7 +156,7 @@ def test_every_config_field_is_written_once_with_its_docstring():
         if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
     ]
     assert fields == [f.name for f in dataclasses.fields(SMPConfig)] and documented == fields
-    own = set(inspect.signature(SMPStrategy).parameters) - {"config", "fields"}
+    own = set(inspect.signature(SMPStrategy).parameters) - {"fields"}
     assert own == {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
 
 

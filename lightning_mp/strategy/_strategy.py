@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
-from dataclasses import replace
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -86,15 +86,14 @@ class SMPStrategy(ParallelStrategy):
     loss on every rank.
 
     Args:
-        config: every knob at once (:class:`~lightning_mp.SMPConfig`, whose fields document them); ``None``: the
-            defaults.
         accelerator: Lightning's, as for any ``ParallelStrategy`` (the ``Trainer`` fills it in).
         parallel_devices: one device per local process (the ``Trainer`` fills them in).
         cluster_environment: Lightning's (the ``Trainer`` picks one).
         checkpoint_io: Lightning's; global rank 0 writes full checkpoint files through it.
         precision_plugin: Lightning's (the ``Trainer``'s ``precision=``).
-        **fields: :class:`~lightning_mp.SMPConfig` fields by name, over ``config``'s values:
-            ``SMPStrategy(pipeline_parallel_degree=2, microbatches=4)``; the CLI's ``init_args`` are these.
+        **fields: :class:`~lightning_mp.SMPConfig` fields by name, where each is documented:
+            ``SMPStrategy(pipeline_parallel_degree=2, microbatches=4)``; the CLI's ``init_args`` are these. A
+            whole config: :meth:`from_config`.
 
     Raises:
         ValueError: at construction for invalid values (see :class:`~lightning_mp.SMPConfig`); at launch for a
@@ -107,7 +106,6 @@ class SMPStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        config: SMPConfig | None = None,
         *,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -118,7 +116,7 @@ class SMPStrategy(ParallelStrategy):
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         fields = config_fields(fields)
-        self.config = SMPConfig(**fields) if config is None else replace(config, **fields)
+        self.config = SMPConfig(**fields)  # jsonargparse reads the fields of this call for the CLI
         self._runner = StepRunner(self.config.microbatches, self.config.non_split_inputs)
         self._param_order: list[str] | None = None  # the whole model's parameter FQNs, before placement
         self._param_names: dict[str, str] = {}  # other names of shared parameters -> original FQN (see _tied.py)
@@ -134,6 +132,11 @@ class SMPStrategy(ParallelStrategy):
         self._gradients_final = False  # this optimizer step's gradients are averaged (see `_finish_gradients`)
         self._grads = GradientStash()
         self._reducer: GradientReducer | None = None  # dp > 1: see [Note: overlapped gradient all-reduce]
+
+    @classmethod
+    def from_config(cls, config: SMPConfig, **plugins: Any) -> SMPStrategy:
+        """The strategy of ``config``; ``plugins``: Lightning's, as for the constructor."""
+        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)}, **plugins)
 
     # ---- parallel layout -------------------------------------------------------------------------------------
 
@@ -281,7 +284,7 @@ class SMPStrategy(ParallelStrategy):
 
     def enable_delayed_parameter_initialization(self) -> None:
         """Turn on delayed init for ``configure_model`` (the ``DelayedParameterInit`` callback calls this)."""
-        self.config = replace(self.config, delayed_parameter_initialization=True)
+        self.config = dataclasses.replace(self.config, delayed_parameter_initialization=True)
 
     def _release_process_groups(self) -> None:
         """Drop every object that holds a process group (at exit, after they were destroyed)."""
