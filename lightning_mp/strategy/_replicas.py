@@ -32,6 +32,16 @@ from torch.distributed.utils import _sync_module_states
 
 from lightning_mp.init import find_record
 
+
+# [Note: generators at launch] One replica (pp x tp ranks and no more) is the peer of one device (``"auto"``), which
+# leaves the global generators as the user's script left them: the shuffle of a ``shuffle=True`` loader, then every
+# draw, equals that run's. Several replicas are the peer of ``ddp``, which re-seeds from ``PL_GLOBAL_SEED`` in
+# ``SMPStrategy.setup_environment`` (and shards with ``DistributedSampler``); so do we. Every rank of a replica starts
+# from the same state either way: with a seed, popen and torchrun re-run the script, Lightning's spawn launcher
+# restores the parent's snapshot, and ours does so under fork too (Python re-seeds `random` in a forked child);
+# without one, every rank takes global rank 0's generators and model (see [Note: ranks start alike] above). Setup's
+# extra work (first batch, trace) restores them (``generators_kept``).
+
 __all__ = ["seed_workers_by_replica", "share_generators", "sync_initial_states"]
 
 _BUCKET_BYTES = 250 * 2**20  # DDP's default broadcast bucket

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -33,7 +33,10 @@ from lightning_mp.pipeline import MicrobatchSplitError, PipelineEngine, merge_mi
 from lightning_mp.strategy._logs import LogRecorder, StepSummary, replay_logs
 from lightning_mp.strategy._metrics import load_metric_log
 
-__all__ = ["LossScale", "StepRunner"]
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["LossScale", "StepRunner", "steps_optimizer"]
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,15 @@ class StepRunner:
             )
             self._warned_replicated = True
         return split.parts
+
+
+def steps_optimizer(trainer: pl.Trainer) -> bool:
+    """Whether Lightning steps the optimizer after the current training batch (the accumulation window ends)."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    should_accumulate = getattr(epoch_loop, "_should_accumulate", None)
+    if should_accumulate is None:  # another Lightning version: only without accumulation is it certain
+        return trainer.accumulate_grad_batches == 1
+    return not should_accumulate()
 
 
 def _rng_key(trainer: Any, hook: str, rest: tuple) -> tuple:

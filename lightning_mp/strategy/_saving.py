@@ -51,6 +51,7 @@ def save(
     names: dict[str, str],
     checkpoint_io: Any,
     is_global_zero: bool,
+    storage_options: Any | None = None,
 ) -> None:
     """Write ``checkpoint`` at ``path`` on every rank (each rank calls this with its own stage's state).
 
@@ -60,7 +61,13 @@ def save(
         param_order: the whole model's parameter FQNs before placement (the full file's order).
         names: other names of shared parameters -> original FQN (``_tied.py``).
         checkpoint_io: Lightning's checkpoint IO; global rank 0 writes the full file through it.
+        storage_options: must be ``None`` (Lightning's argument; DCP takes none).
+
+    Raises:
+        TypeError: for ``storage_options``.
     """
+    if storage_options is not None:
+        raise TypeError("The 'smp' strategy saves through torch.distributed.checkpoint; `storage_options` is unused.")
     checkpoint[PLAN_KEY] = {
         "partition_plan": plan.to_dict(),
         "layout": dict(zip(("dp", "pp", "tp"), topology.mesh_shape)),

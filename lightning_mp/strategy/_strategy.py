@@ -24,13 +24,14 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
@@ -38,28 +39,25 @@ from typing_extensions import override
 
 from lightning_mp.config import SMPConfig, config_fields
 from lightning_mp.init import delay_param_initialization
-from lightning_mp.memory._host import fix_mmap_threshold
 from lightning_mp.partition import ModelTrace, PartitionPlan
 from lightning_mp.pipeline import PipelineEngine
 from lightning_mp.strategy import _checkpoint, _saving
 from lightning_mp.strategy import _tp
 from lightning_mp.strategy._delayed import is_delayed, kept_on_meta
 from lightning_mp.strategy._exit import release_at_exit
-from lightning_mp.strategy._launch import apply_thread_policy, make_launcher
+from lightning_mp.strategy._launch import make_launcher, prepare_process
 from lightning_mp.strategy._metrics import sync_metrics_over
 from lightning_mp.strategy._precision import install_synced_scaler, loss_scale_of
 from lightning_mp.strategy._prelaunch import check_before_launch
 from lightning_mp.strategy._reducer import GradientReducer
 from lightning_mp.strategy._replicas import seed_workers_by_replica, share_generators, sync_initial_states
 from lightning_mp.strategy._runner import LossScale, StepRunner
+from lightning_mp.strategy._runner import steps_optimizer as _steps_optimizer
 from lightning_mp.strategy._saving import unwrap_optimizer as _unwrap
 from lightning_mp.strategy._stages import build_engine, check_supported, choose_plan, install_stage
 from lightning_mp.strategy._step import GradientStash, all_reduce_gradients
-from lightning_mp.strategy._summary import (
-    gather_parameter_counts,
-    silence_single_replica_sync_advice,
-    summarize_whole_model,
-)
+from lightning_mp.strategy._summary import gather_parameter_counts, silence_single_replica_sync_advice
+from lightning_mp.strategy._summary import summarize_whole_model
 from lightning_mp.strategy._tied import TiedWeights, original_names
 from lightning_mp.strategy._transport import check_data_plane
 from lightning_mp.strategy._zero import local_optimizer, shard_optimizers
@@ -73,6 +71,7 @@ if TYPE_CHECKING:
 __all__ = ["SMPStrategy"]
 
 T = TypeVar("T")
+_AFTER_LAUNCH = "after the processes are launched; call `trainer.fit` first."
 
 
 class SMPStrategy(ParallelStrategy):
@@ -138,28 +137,24 @@ class SMPStrategy(ParallelStrategy):
         """The strategy of ``config``; ``plugins``: Lightning's, as for the constructor."""
         return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)}, **plugins)
 
-    # ---- parallel layout -------------------------------------------------------------------------------------
-
     @property
     def topology(self) -> Topology:
         """This rank's (dp, pp, tp) coordinates. Available after ``setup_environment``."""
-        return _launched(self._topology, "The topology exists")
+        return _launched(self._topology, f"The topology exists {_AFTER_LAUNCH}")
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        return _launched(self._device_mesh, "The device mesh exists")
+        return _launched(self._device_mesh, f"The device mesh exists {_AFTER_LAUNCH}")
 
     @property
     def groups(self) -> ParallelGroups:
         """Named process groups (``TP``, ``PP``, ``DP``, ``RDP``, ``WORLD``) for ``lightning_mp.allgather`` & co."""
-        return _launched(self._groups, "The process groups exist")
+        return _launched(self._groups, f"The process groups exist {_AFTER_LAUNCH}")
 
     @property
     def partition_plan(self) -> PartitionPlan:
         """Module FQN -> stage, the same on every rank. Available after ``setup``."""
-        if self._plan is None:
-            raise RuntimeError("The partition plan is made in `setup`; it exists once the trainer has started.")
-        return self._plan
+        return _launched(self._plan, "The partition plan is made in `setup`; it exists once the trainer has started.")
 
     @property
     def partition_trace(self) -> ModelTrace | None:
@@ -195,14 +190,9 @@ class SMPStrategy(ParallelStrategy):
 
     @property
     def is_distributed(self) -> bool:
-        """Whether data is sharded over replicas: Lightning reads this to insert a ``DistributedSampler``.
-
-        With one data-parallel replica (pipeline or tensor parallelism only) every rank reads the whole loader as
-        the user built it, so ``shuffle=False`` keeps its order, as on one device. With ``dp > 1`` Lightning injects
-        ``DistributedSampler`` over the data-parallel axis exactly as under ``ddp`` (training loaders shuffled with
-        the global seed, whatever the loader's own ``shuffle``; pass ``use_distributed_sampler=False`` to keep your
-        own sampler). Before the processes are launched it is ``True`` (the layout is not known yet).
-        """
+        """Whether data is sharded over replicas (``dp > 1``): Lightning then injects a ``DistributedSampler`` over
+        the data-parallel axis as under ``ddp``; with one replica every rank reads the loader as the user built it,
+        as on one device. ``True`` before the processes are launched (the layout is not known yet)."""
         if self._topology is None:
             return True
         return self._topology.data_parallel_degree > 1
@@ -241,9 +231,7 @@ class SMPStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        apply_thread_policy(self.num_processes)  # for launch paths without a launcher; see _launch.py
-        if self.config.release_host_memory and not fix_mmap_threshold():
-            rank_zero_warn("release_host_memory=True has no effect here: it needs glibc (Linux) malloc.")
+        prepare_process(self.num_processes, self.config.release_host_memory)  # threads, malloc: see _launch.py
         self.set_world_ranks()
         backend = self.config.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
@@ -255,7 +243,7 @@ class SMPStrategy(ParallelStrategy):
             self.config.tensor_parallel_degree,
             self.config.placement_strategy,
         )
-        if self._topology.data_parallel_degree > 1:  # see [Note: generators at launch]
+        if self._topology.data_parallel_degree > 1:  # see [Note: generators at launch] in _replicas.py
             reset_seed()
         check_data_plane(self.config, self.root_device)  # before the first collective
         assert self.cluster_environment is not None
@@ -298,8 +286,6 @@ class SMPStrategy(ParallelStrategy):
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-
-    # ---- setup -----------------------------------------------------------------------------------------------
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -399,8 +385,6 @@ class SMPStrategy(ParallelStrategy):
             return  # meta until partitioned; each stage is materialised on the root device in `_place_modules`
         self.model.to(self.root_device)
 
-    # ---- steps -----------------------------------------------------------------------------------------------
-
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = self.lightning_module.trainer
@@ -429,22 +413,22 @@ class SMPStrategy(ParallelStrategy):
             self._grads.end()
         if summary.num_tokens:  # see [Note: token-weighted losses] in _runner.py
             self._grads.scale(1.0 / summary.num_tokens)
-        return _to_device(summary.output, self.root_device)
+        return move_data_to_device(summary.output, self.root_device)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         summary = self._runner.run("validation_step", self.precision_plugin.val_step_context, args, kwargs)
-        return _to_device(summary.output, self.root_device)
+        return move_data_to_device(summary.output, self.root_device)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         summary = self._runner.run("test_step", self.precision_plugin.test_step_context, args, kwargs)
-        return _to_device(summary.output, self.root_device)
+        return move_data_to_device(summary.output, self.root_device)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         summary = self._runner.run("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
-        return _to_device(summary.output, self.root_device)
+        return move_data_to_device(summary.output, self.root_device)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -507,8 +491,6 @@ class SMPStrategy(ParallelStrategy):
         total = _tp.global_grad_norm(self._tied.counted_once(params), self.groups, self.root_device)
         torch.nn.utils.clip_grads_with_norm_(params, clip_val, total.to(params[0].dtype if params else torch.float32))
 
-    # ---- collectives -----------------------------------------------------------------------------------------
-
     @override
     def barrier(self, name: str | None = None) -> None:
         if _distributed_is_initialized():
@@ -530,8 +512,6 @@ class SMPStrategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
-    # ---- checkpoints -----------------------------------------------------------------------------------------
-
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return _checkpoint.model_state_dict(self.model)
@@ -543,13 +523,11 @@ class SMPStrategy(ParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """A DCP folder or one full file, as ``save_distributed_checkpoint`` says (see ``_saving.py``)."""
-        if storage_options is not None:
-            raise TypeError("The 'smp' strategy saves through torch.distributed.checkpoint; `storage_options` is unused.")
         _saving.save(
             checkpoint, Path(self.broadcast(str(filepath))), distributed=self.config.save_distributed_checkpoint,
             plan=self.partition_plan, topology=self.topology, mesh=self.device_mesh, module=self.lightning_module,
             model=self.model, optimizers=self.optimizers, param_order=self._param_order, names=self._param_names,
-            checkpoint_io=self.checkpoint_io, is_global_zero=self.is_global_zero,
+            checkpoint_io=self.checkpoint_io, is_global_zero=self.is_global_zero, storage_options=storage_options,
         )
 
     @override
@@ -591,35 +569,10 @@ class SMPStrategy(ParallelStrategy):
         )
 
 
-# [Note: generators at launch] One replica (pp x tp ranks and no more) is the peer of one device (``"auto"``),
-# which leaves the global generators as the user's script left them: the shuffle of a ``shuffle=True`` loader, then
-# every draw, equals that run's. Several replicas are the peer of ``ddp``, which re-seeds from ``PL_GLOBAL_SEED``
-# in ``setup_environment`` (and shards with ``DistributedSampler``); so do we. Every rank of a replica starts from
-# the same state either way: with a seed, popen and torchrun re-run the script, Lightning's spawn launcher restores
-# the parent's snapshot, and ours does so under fork too (Python re-seeds `random` in a forked child); without one,
-# every rank takes global rank 0's generators and model (see [Note: ranks start alike] in ``_replicas.py``).
-# Setup's extra work (first batch, trace) restores them (``generators_kept``).
-
-
-def _steps_optimizer(trainer: pl.Trainer) -> bool:
-    """Whether Lightning steps the optimizer after the current training batch (the accumulation window ends)."""
-    epoch_loop = trainer.fit_loop.epoch_loop
-    should_accumulate = getattr(epoch_loop, "_should_accumulate", None)
-    if should_accumulate is None:  # another Lightning version: only without accumulation is it certain
-        return trainer.accumulate_grad_batches == 1
-    return not should_accumulate()
-
-
-def _launched(value: T | None, what_exists: str) -> T:
+def _launched(value: T | None, message: str) -> T:
     if value is None:
-        raise RuntimeError(f"{what_exists} after the processes are launched; call `trainer.fit` first.")
+        raise RuntimeError(message)
     return value
-
-
-def _to_device(obj: Any, device: torch.device) -> Any:
-    from lightning.fabric.utilities.apply_func import move_data_to_device
-
-    return move_data_to_device(obj, device)
 
 
 def _reducer_group(topology: Topology, timeout: Any) -> dist.ProcessGroup:
