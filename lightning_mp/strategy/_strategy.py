@@ -8,9 +8,9 @@ Each Lightning hook here is one or two calls into the modules that own the work 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
-import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
