@@ -5,8 +5,8 @@ Run (CPU, a few minutes)::
     python benchmarks/cli_pp2_vs_single.py [--steps 80] [--rounds 2] [--baseline-tree PATH]
 
 Each round runs, in an order that rotates from round to round: ``gpt_single.yaml`` (one process), ``gpt_pp2.yaml``
-(2 stages, remote handles on, the default) and ``gpt_pp2.yaml`` with ``remote_handles: false`` (every remote call
-waits for its outputs); with ``--baseline-tree`` also ``gpt_pp2.yaml`` from another checkout of this repository
+(2 stages, remote handles on, the default) and ``gpt_pp2.yaml`` with remote handles off (every remote call
+waits for its outputs: the strategy :class:`WithoutHandles` below, the engine's ``SMPConfig._remote_handles``); with ``--baseline-tree`` also ``gpt_pp2.yaml`` from another checkout of this repository
 (e.g. an earlier commit: the "before" of a change), run with that tree on ``PYTHONPATH``. No validation, no
 checkpoint, no logger; the steps after the first 10 are timed on global rank 0 (``StepClock`` of
 ``benchmarks/tied_weights_pp2.py``). Prints per-round steps/s and each run's ratio to ``gpt_single`` of the same
@@ -21,8 +21,18 @@ import re
 import statistics
 import subprocess
 import sys
+from typing import Any
+
+import lightning_mp
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+
+
+class WithoutHandles(lightning_mp.SMPStrategy):
+    """``SMPStrategy`` with the pipeline engine's remote handles off (an engine switch, not a user knob)."""
+
+    def __init__(self, **fields: Any) -> None:
+        super().__init__(_remote_handles=False, **fields)
 
 
 def _run(config: str, steps: int, tree: str, extra: list[str]) -> float:
@@ -51,7 +61,7 @@ def main() -> None:
     runs = {
         "gpt_single": ("gpt_single.yaml", ROOT, []),
         "gpt_pp2": ("gpt_pp2.yaml", ROOT, []),
-        "gpt_pp2 handles off": ("gpt_pp2.yaml", ROOT, ["--trainer.strategy.init_args.remote_handles", "false"]),
+        "gpt_pp2 handles off": ("gpt_pp2.yaml", ROOT, ["--trainer.strategy.class_path", "benchmarks.cli_pp2_vs_single.WithoutHandles"]),
     }
     if args.baseline_tree:
         runs["gpt_pp2 baseline tree"] = ("gpt_pp2.yaml", os.path.abspath(args.baseline_tree), [])

@@ -19,6 +19,7 @@ import sys
 from functools import partial
 from typing import Any
 
+from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_mp  # registers "smp"
@@ -38,6 +39,7 @@ def main(args: list[str] | None = None) -> None:
         # `examples.*` and user modules in the working directory resolve (absolute path: jsonargparse changes
         # directory to the config file's folder while parsing it)
         sys.path.insert(0, cwd)
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)  # `--help` shows each SMPConfig field's docstring
     SMPCLI(
         args=args,
         subclass_mode_model=True,

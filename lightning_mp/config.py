@@ -1,5 +1,7 @@
 """The one dataclass of every lightning_mp knob, validated on construction.
 
+Each field is written here once, with its docstring; ``SMPStrategy(**fields)``, ``SMPStrategy.from_config`` and
+the CLI's ``trainer.strategy.init_args`` (jsonargparse reads these fields and their docstrings) all take them.
 Names follow the SageMaker model parallelism library (Karakus et al., 2021, arXiv 2111.05972; the "smp" v1
 configuration keys such as ``partitions``, ``microbatches``, ``pipeline``, ``active_microbatches``,
 ``auto_partition``, ``default_partition``, ``optimize``, ``memory_weight``) where a user would look for them.
@@ -7,10 +9,12 @@ configuration keys such as ``partitions``, ``microbatches``, ``pipeline``, ``act
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 __all__ = ["SMPConfig"]
 
@@ -20,16 +24,29 @@ TiedWeights = Literal["colocate", "replicate", "auto"]
 DataPlane = Literal["auto", "gloo", "nccl"]
 
 _DEFAULT_MEMORY_WEIGHT = {"speed": 0.2, "memory": 0.8}
+_BOOLS = (
+    "delayed_parameter_initialization",
+    "shard_optimizer_state",
+    "release_host_memory",
+    "save_distributed_checkpoint",
+    "replan_on_resume",
+    "_remote_handles",
+)
 
 
 @dataclass(kw_only=True, frozen=True)
 class SMPConfig:
-    """Every knob of the ``smp`` strategy.
+    """Every knob of the ``smp`` strategy, in groups: layout, the pipelined step, placement, tensor parallelism,
+    memory, checkpoints, processes.
 
     Raises:
-        ValueError: on any value out of range, naming the value and the fix.
+        ValueError: on any value out of range, naming the value and the fix (checked here, at construction, before
+            any process starts). What depends on the world size or the model (a world size not divisible by
+            ``pipeline_parallel_degree * tensor_parallel_degree``, fewer placeable modules than stages, a batch
+            that does not split into ``microbatches``) is checked at launch or setup.
     """
 
+    # ---- Layout: ``dp = world_size / (pipeline_parallel_degree * tensor_parallel_degree)``
     pipeline_parallel_degree: int = 1
     """Number of pipeline stages (SMP ``partitions``). Each stage lives on its own rank."""
 
@@ -37,6 +54,13 @@ class SMPConfig:
     """Size of a tensor-parallel group: marked modules are split over this many neighbouring ranks, which read the
     same batch (see ``lightning_mp.set_tensor_parallelism``). ``dp = world_size / (pp * tp)``."""
 
+    placement_strategy: str = "cluster"
+    """Which parallel axis gets neighbouring global ranks (SMP's knob): ``"cluster"`` (= ``"DPT"``: the ranks of a
+    tensor-parallel group are neighbours, then the stages, then the replicas), ``"spread"`` (= ``"TPD"``: replicas
+    are neighbours) or any permutation of ``D``, ``P``, ``T`` from the outermost axis to the innermost. Put the
+    axis with the most traffic (tp) on the fastest links (the ranks of one node)."""
+
+    # ---- The pipelined step
     microbatches: int = 1
     """Microbatches per batch. Every tensor in a batch is split along dim 0 into this many equal parts."""
 
@@ -54,6 +78,14 @@ class SMPConfig:
     """Cap on microbatches in flight on the driver at once. ``None`` means ``pipeline_parallel_degree + 2``
     (the SMP default)."""
 
+    deterministic_order: bool | None = None
+    """Make the ranks that hold the same stage in different data-parallel replicas (and one tensor-parallel group)
+    run their stage's module calls in one order, decided by the lowest rank, whatever the message arrival times.
+    Needed when those modules enter collectives together (e.g. ``SyncBatchNorm`` over the data-parallel group).
+    Costs one small message per task from the leader; requires the replicas to make the same calls (no
+    data-dependent control flow that differs between replicas). ``None``: on when ``tensor_parallel_degree > 1``."""
+
+    # ---- Placement: which module runs on which stage (``with lightning_mp.partition(k)`` in the model places too)
     auto_partition: bool = True
     """Place modules on stages automatically (balanced by the cost model). If ``False``, modules not named in
     ``partition`` go to ``default_partition``."""
@@ -65,7 +97,11 @@ class SMPConfig:
     """Manual placement: ``{module FQN: stage}``. The innermost entry wins for its subtree; auto fills the rest."""
 
     optimize: Optimize = "speed"
-    """Partition objective preset: ``"speed"`` sets ``memory_weight=0.2``, ``"memory"`` sets ``0.8``."""
+    """SMP's ``optimize``, which sets two things, as in SMP: the partition objective (``"speed"``:
+    ``memory_weight=0.2``, ``"memory"``: ``0.8``) and, with ``tensor_parallel_degree > 1``, the built-in
+    distributed transformer layers' variant (``"memory"``: sequence parallel, activations sharded along the
+    sequence with all-gather / reduce-scatter; ``"speed"``: activations replicated, all-reduce). Setup says so on
+    global rank 0 when ``"memory"`` turns sequence parallelism on."""
 
     memory_weight: float | None = None
     """Weight in [0, 1] of memory balance against compute balance in the partition cost. ``None``: from ``optimize``."""
@@ -88,29 +124,12 @@ class SMPConfig:
     """Reuse a plan instead of tracing: a JSON file written by ``PartitionSummary`` (``PartitionPlan.to_dict()``)
     or a lightning_mp checkpoint folder (plans are saved with checkpoints), so a resumed run is placed identically."""
 
-    process_group_backend: str | None = None
-    """``torch.distributed`` backend. ``None``: ``"gloo"`` on CPU, ``"nccl"`` on CUDA."""
+    replan_on_resume: bool = False
+    """A run resumed with ``fit(ckpt_path=...)`` (a path, or ``"last"`` / ``"best"`` as Lightning resolves them)
+    reuses the partition plan saved in that checkpoint when it fits the model and ``pipeline_parallel_degree``
+    (else it plans anew, and says so); ``True`` always plans anew."""
 
-    timeout: timedelta = timedelta(minutes=30)
-    """How long a rank waits for a peer (collectives and pipeline messages) before failing with an error. A pipeline
-    stage with no request to work on also fails when no message reaches it for this long within a step (it cannot
-    tell a stuck stage from a slow one), so it must exceed the longest stretch of a step without a message to some
-    stage, e.g. a long computation that stays on one stage."""
-
-    deterministic_order: bool | None = None
-    """Make the ranks that hold the same stage in different data-parallel replicas (and one tensor-parallel group)
-    run their stage's module calls in one order, decided by the lowest rank, whatever the message arrival times.
-    Needed when those modules enter collectives together (e.g. ``SyncBatchNorm`` over the data-parallel group).
-    Costs one small message per task from the leader; requires the replicas to make the same calls (no
-    data-dependent control flow that differs between replicas). ``None``: on when ``tensor_parallel_degree > 1``."""
-
-    remote_handles: bool = True
-    """A call into a module on another stage returns at once with a handle to its output, which stays on that stage
-    until local code touches it; a later call on the same stage takes it by reference (``RemoteValue``, [Note:
-    remote handles] in ``pipeline/_handles.py``), so a Python loop over remote blocks costs one-way messages, not a
-    round trip per block. ``False``: every remote call waits for its outputs (one round trip per call; the engine
-    before handles). The results are the same either way (README, "Known limits", for what a handle is not)."""
-
+    # ---- Tensor parallelism (``optimize`` above also picks its layers' variant)
     tp_random_streams: Literal["one_process", "per_rank"] = "one_process"
     """How random ops (dropout) on tensor-parallel sharded activations draw (see [Note: random numbers under tensor
     parallelism] in ``tp/_random.py``). ``"one_process"``: each tp rank draws the full tensor from the call's stream
@@ -118,6 +137,7 @@ class SMPConfig:
     its own (Megatron's ``CudaRNGStatesTracker``): fewer numbers drawn, masks independent across ranks but not one
     process's."""
 
+    # ---- Memory
     delayed_parameter_initialization: bool = False
     """Build the model in ``configure_model`` without allocating parameters (SMP's
     ``delayed_parameter_initialization``): the trace runs on meta and each rank allocates and initialises only
@@ -135,17 +155,45 @@ class SMPConfig:
     peak otherwise; see [Note: freed tensors stay resident under glibc]). Costs page faults: each step maps its
     large tensors afresh (steps 1.0-2.0x as long on the example GPT at pp=2 on CPU, in alternating rounds on a
     loaded machine). A no-op without glibc."""
+
+    # ---- Checkpoints and initial weights
+    save_distributed_checkpoint: bool = True
+    """As in Lightning's ``ModelParallelStrategy``: ``True`` writes a folder of DCP shards per checkpoint (every rank
+    writes its own part; resumable at any layout); ``False`` writes one full Lightning checkpoint file from global
+    rank 0 (tp shards gathered into full tensors), which ``Model.load_from_checkpoint`` and any other strategy
+    read. Either kind resumes an ``smp`` run, as does a plain Lightning checkpoint file."""
+
+    load_weights: str | Path | None = None
+    """Initial weights, read at setup after partitioning, each rank keeping its own stage's tensors and its tp
+    slice of them: a plain state dict (``.pt``, ``.bin``, ``.safetensors``), a Lightning checkpoint file, a
+    lightning_mp checkpoint folder, or a Hugging Face folder (keys of the LightningModule's transformers model).
+    The optimizer starts fresh. Missing keys raise unless the LightningModule's ``strict_loading`` is ``False``."""
+
+    # ---- Processes and transport
+    process_group_backend: str | None = None
+    """``torch.distributed`` backend. ``None``: ``"gloo"`` on CPU, ``"nccl"`` on CUDA."""
+
+    timeout: timedelta = timedelta(minutes=30)
+    """How long a rank waits for a peer (collectives and pipeline messages) before failing with an error. A pipeline
+    stage with no request to work on also fails when no message reaches it for this long within a step (it cannot
+    tell a stuck stage from a slow one), so it must exceed the longest stretch of a step without a message to some
+    stage, e.g. a long computation that stays on one stage."""
+
+    start_method: Literal["popen", "spawn", "fork"] = "popen"
+    """How the processes start: ``"popen"`` re-runs the script per rank (like ``ddp``); ``"spawn"`` / ``"fork"``
+    start them from the launching process (see [Note: threads per process] in ``strategy/_launch.py``)."""
+
     data_plane: DataPlane = "auto"
     """How tensor bytes travel between pipeline stages; headers always go over a CPU gloo group ([Note: two planes]
     in ``comm/_planes.py``). ``"gloo"``: over that group, CUDA tensors staged through pinned host memory.
     ``"nccl"``: one NCCL group per ordered pair of stages (CUDA only; NCCL before 2.30 refuses two ranks on one GPU).
     ``"auto"``: ``"nccl"`` on CUDA when no two stages of a pipeline share a GPU (or NCCL >= 2.30), else ``"gloo"``."""
 
-    placement_strategy: str = "cluster"
-    """Which parallel axis gets neighbouring global ranks (SMP's knob): ``"cluster"`` (= ``"DPT"``: the ranks of a
-    tensor-parallel group are neighbours, then the stages, then the replicas), ``"spread"`` (= ``"TPD"``: replicas
-    are neighbours) or any permutation of ``D``, ``P``, ``T`` from the outermost axis to the innermost. Put the
-    axis with the most traffic (tp) on the fastest links (the ranks of one node)."""
+    _remote_handles: bool = True
+    """Not a user knob (an engine switch, kept for the engine's tests and benchmarks): ``True``, a call into a
+    module on another stage returns at once with a handle to its output (``RemoteValue``, [Note: remote handles]
+    in ``pipeline/_handles.py``); ``False``, every remote call waits for its outputs (one round trip per call, the
+    engine before handles). The results are the same either way."""
 
     def __post_init__(self) -> None:
         for name in ("pipeline_parallel_degree", "tensor_parallel_degree", "microbatches"):
@@ -171,9 +219,11 @@ class SMPConfig:
                 )
         if self.deterministic_order not in (None, True, False):
             raise ValueError(f"`deterministic_order` must be True, False or None, got {self.deterministic_order!r}.")
-        for name in ("delayed_parameter_initialization", "shard_optimizer_state", "release_host_memory", "remote_handles"):
+        for name in _BOOLS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
+        if self.start_method not in ("popen", "spawn", "fork"):
+            raise ValueError(f"`start_method` must be 'popen', 'spawn' or 'fork', got {self.start_method!r}.")
         if self.tp_random_streams not in ("one_process", "per_rank"):
             raise ValueError(
                 f"`tp_random_streams` must be 'one_process' or 'per_rank', got {self.tp_random_streams!r}."
@@ -220,3 +270,33 @@ class SMPConfig:
         if self.active_microbatches is not None:
             return self.active_microbatches
         return self.pipeline_parallel_degree + 2
+
+
+_HIDDEN = {  # names that were user knobs and are not any more -> what to write instead
+    "remote_handles": "`remote_handles` is no longer an argument: remote handles are always on (the results are the"
+    " same without them; the switch is the engine's own, `SMPConfig._remote_handles`, for its tests). Drop it.",
+}
+
+
+def config_fields(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``SMPStrategy``'s keyword arguments as :class:`SMPConfig` fields: ``non_split_inputs`` (a list, say) as a
+    tuple, ``partition`` as a dict (``None`` as ``{}``).
+
+    Raises:
+        TypeError: for a name that is not a field, naming the closest one (or what replaced a retired knob).
+    """
+    names = {f.name for f in fields(SMPConfig) if not f.name.startswith("_")}
+    for name in overrides:
+        if name in _HIDDEN:
+            raise TypeError(_HIDDEN[name])
+        if name not in names and name != "_remote_handles":
+            close = difflib.get_close_matches(name, sorted(names), n=1)
+            hint = f" Did you mean `{close[0]}`?" if close else " See `lightning_mp.SMPConfig` for the fields."
+            raise TypeError(f"SMPStrategy got an unexpected argument `{name}`.{hint}")
+    result = dict(overrides)
+    if "non_split_inputs" in result:
+        names = result["non_split_inputs"]
+        result["non_split_inputs"] = names if isinstance(names, (str, int)) else tuple(names or ())
+    if "partition" in result:
+        result["partition"] = dict(result["partition"] or {})
+    return result

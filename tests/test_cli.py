@@ -131,6 +131,15 @@ def test_strategy_by_name_parses():
     assert "strategy: smp" in result.stdout
 
 
+def test_strategy_help_shows_every_config_field_with_its_docstring():
+    result = _run(["fit", "--trainer.strategy.help", "lightning_mp.SMPStrategy"], timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    text = " ".join(result.stdout.split())  # the help is wrapped to the terminal's width
+    assert "--trainer.strategy.pipeline_parallel_degree PIPELINE_PARALLEL_DEGREE Number of pipeline stages" in text
+    assert "--trainer.strategy.start_method {popen,spawn,fork} How the processes start" in text
+    assert "remote_handles" not in text, "an engine switch, not a knob"
+
+
 def test_gpt_pp2_short_fit(tmp_path):
     result = _run(
         [

@@ -504,7 +504,7 @@ def test_the_meta_trace_runs_in_a_child_process_and_plans_as_in_process(tmp_path
     results = {}
     for in_child in (True, False):
         if not in_child:
-            monkeypatch.setattr(lightning_mp.strategy._strategy, "trace_in_child", lambda is_meta: False)
+            monkeypatch.setattr(lightning_mp.strategy._stages, "trace_in_child", lambda is_meta: False)
         out = tmp_path / str(in_child)
         out.mkdir()
         strategy = lightning_mp.SMPStrategy(

@@ -311,9 +311,9 @@ def test_hf_model_output_indexed_then_read_by_attribute():
 def test_remote_handles_switch_must_be_a_bool():
     from lightning_mp import SMPConfig
 
-    assert SMPConfig().remote_handles is True and SMPConfig(remote_handles=False).remote_handles is False
+    assert SMPConfig()._remote_handles is True and SMPConfig(_remote_handles=False)._remote_handles is False
     with pytest.raises(ValueError, match="remote_handles"):
-        SMPConfig(remote_handles="no")
+        SMPConfig(_remote_handles="no")
 
 
 def _stale_handle(rank: int, world: int) -> str:

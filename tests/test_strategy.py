@@ -128,7 +128,7 @@ ALTERNATING = {"partition": {"net.blocks.1": 1, "net.blocks.3": 1}, "auto_partit
         ("mlp", 1, 2, 2, "interleaved", {}, {}),
         ("tiedlm", 2, 2, 2, "interleaved", CLIP, {}),
         ("mlp", 2, 2, 4, "interleaved", {}, {"deterministic_order": True}),
-        ("branchy", 2, 1, 4, "interleaved", {}, {"remote_handles": False}),
+        ("branchy", 2, 1, 4, "interleaved", {}, {"_remote_handles": False}),
     ],
     ids=[
         "mlp-pp2-mb1",

@@ -67,11 +67,11 @@ def test_a_batch_in_which_nothing_splits_warns_once_naming_what_was_replicated()
     strategy = SMPStrategy(microbatches=2)
     batch = {"text": "one string", "n": 3}
     with pytest.warns(UserWarning, match=r"Nothing in this batch splits.*batch\['text'\], batch\['n'\]"):
-        assert strategy._split(batch, training=True) == [batch, batch]
+        assert strategy._runner.split(batch, training=True) == [batch, batch]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        strategy._split(batch, training=True)  # once
-        SMPStrategy(microbatches=2)._split({"text": ["a", "b"]}, training=True)  # it splits: no warning
+        strategy._runner.split(batch, training=True)  # once
+        SMPStrategy(microbatches=2)._runner.split({"text": ["a", "b"]}, training=True)  # it splits: no warning
 
 
 def test_split_then_merge_is_identity_for_tensors():
@@ -127,6 +127,38 @@ def test_config_defaults_follow_smp():
     assert config.effective_memory_weight == 0.2
     assert SMPConfig(optimize="memory").effective_memory_weight == 0.8
     assert config.effective_active_microbatches == 5
+
+
+def test_strategy_takes_fields_or_a_config_and_names_unknown_fields():
+    config = SMPConfig(pipeline_parallel_degree=2, microbatches=4, start_method="spawn", _remote_handles=False)
+    assert SMPStrategy.from_config(config).config == config
+    strategy = SMPStrategy(pipeline_parallel_degree=2, microbatches=4, start_method="spawn", non_split_inputs=["t"])
+    assert strategy.config == dataclasses.replace(config, non_split_inputs=("t",), _remote_handles=True)
+    with pytest.raises(TypeError, match="unexpected argument `microbatch`. Did you mean `microbatches`"):
+        SMPStrategy(microbatch=2)
+    with pytest.raises(TypeError, match="`remote_handles` is no longer an argument"):
+        SMPStrategy(remote_handles=False)
+    with pytest.raises(ValueError, match="`start_method` must be 'popen', 'spawn' or 'fork', got 'forkserver'"):
+        SMPStrategy(start_method="forkserver")
+    with pytest.raises(ValueError, match="`replan_on_resume` must be True or False, got 'yes'"):
+        SMPConfig(replan_on_resume="yes")
+
+
+def test_every_config_field_is_written_once_with_its_docstring():
+    """SMPConfig is the one place a knob is written: each field has a docstring, and SMPStrategy's signature holds
+    only Lightning's plugins (the fields come through ``**fields``)."""
+    import ast
+    import inspect
+
+    body = ast.parse(inspect.getsource(SMPConfig)).body[0].body
+    fields = [node.target.id for node in body if isinstance(node, ast.AnnAssign)]
+    documented = [
+        node.target.id for node, after in zip(body, body[1:])
+        if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+    ]
+    assert fields == [f.name for f in dataclasses.fields(SMPConfig)] and documented == fields
+    own = set(inspect.signature(SMPStrategy).parameters) - {"fields"}
+    assert own == {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
 
 
 @pytest.mark.parametrize("rank", range(8))

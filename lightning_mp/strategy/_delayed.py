@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
@@ -28,6 +29,7 @@ __all__ = [
     "MetaInputs",
     "holds_meta_tensors",
     "is_delayed",
+    "kept_on_meta",
     "materialize_stage",
     "meta_trace_inputs",
     "needs_real_values",
@@ -44,6 +46,21 @@ def holds_meta_tensors(model: nn.Module) -> bool:
     """Whether a parameter or buffer of ``model`` is on the meta device (a delayed-init model not materialised;
     unlike :func:`is_delayed`, never raises for a model whose record is unusable)."""
     return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+
+
+@contextmanager
+def kept_on_meta(model: nn.Module | None) -> Iterator[None]:
+    """In the body, ``model.cpu()`` is a no-op when ``model`` still holds meta tensors (a setup that failed before
+    materialisation): Lightning's teardown would raise "Cannot copy out of meta tensor" over the error that stopped
+    the setup, and there is nothing to move."""
+    if model is None or not holds_meta_tensors(model):
+        yield
+        return
+    model.cpu = lambda: model
+    try:
+        yield
+    finally:
+        del model.cpu
 
 
 class MetaInputs:

@@ -1,5 +1,13 @@
 """The one owner of an optimizer step's gradients: :class:`StepGradients`.
 
+[Note: pipelined step in Lightning] The engine runs forward *and* backward of every microbatch inside
+``SMPStrategy.training_step`` (as DeepSpeed's pipeline engine does in Lightning). Lightning's closure then
+calls ``zero_grad`` and ``backward``: so that ``zero_grad`` cannot wipe the pipeline's gradients, the step's
+gradient owner (:class:`StepGradients`, through its :class:`GradientStash`) moves them aside during the step and
+``SMPStrategy.backward`` adds them back, exactly where an eager ``loss.backward()`` would have accumulated them;
+the reductions across ranks then run once per optimizer step (see [Note: a step's reductions] below). Logged
+values: see [Note: logging in a pipelined step] in ``_logs.py``.
+
 [Note: a step's reductions] One optimizer step's gradients go through these stages, in this order; each says
 whether it sums or averages, and why. A replicated or partial gradient reduced with the wrong one of the two keeps
 the loss close to one process's for many steps while a small parameter drifts, so the rule is written here once.
@@ -8,7 +16,7 @@ the loss close to one process's for many steps while a small parameter drifts, s
    ``pipeline/_grads.py``): **sum**, in microbatch order. Each microbatch's loss was already multiplied by
    ``1 / (microbatches x accumulate_grad_batches)`` before its backward (token-weighted: by ``n / accumulate``, and
    the step's gradients are divided by the batch's total ``n`` in :meth:`StepGradients.end`, see [Note:
-   token-weighted losses] in ``_strategy.py``), so the sum is the gradient of the batch's mean loss.
+   token-weighted losses] in ``_runner.py``), so the sum is the gradient of the batch's mean loss.
 2. *Batches of one accumulation window* (:class:`GradientStash`): **sum** of the window's earlier gradients and
    this batch's, exactly where ``loss.backward()`` would accumulate them.
 3. *Tensor parallel* (``tp`` group, only parameters marked ``allreduce_grad``): a replicated parameter that runs
@@ -52,7 +60,7 @@ from lightning_mp.tp import reduce_replicated_grads, shard_spec
 
 if TYPE_CHECKING:
     from lightning_mp.pipeline import PipelineEngine
-    from lightning_mp.strategy._step import StepSummary
+    from lightning_mp.strategy._logs import StepSummary
 
 __all__ = ["GradientStash", "StepGradients", "all_reduce_gradients", "global_grad_norm"]
 
@@ -159,7 +167,7 @@ class StepGradients:
 
 class GradientStash:
     """Keep the pipeline's gradients away from Lightning's ``zero_grad`` (see [Note: pipelined step in Lightning]
-    in ``_step.py``)."""
+    above)."""
 
     def __init__(self) -> None:
         self._previous: dict[nn.Parameter, torch.Tensor | None] = {}

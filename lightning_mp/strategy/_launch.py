@@ -23,13 +23,22 @@ from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_mp.memory._host import fix_mmap_threshold
 from lightning_mp.strategy._exit import SpawnLauncher
 
 if TYPE_CHECKING:
     from lightning_mp.strategy._strategy import SMPStrategy
 
-__all__ = ["apply_thread_policy", "make_launcher", "print_on_one_rank", "resolve_resume_path", "resume_path_of"]
+__all__ = [
+    "apply_thread_policy",
+    "make_launcher",
+    "prepare_process",
+    "print_on_one_rank",
+    "resolve_resume_path",
+    "resume_path_of",
+]
 
 
 def make_launcher(strategy: SMPStrategy, start_method: str) -> _Launcher:
@@ -126,6 +135,14 @@ def apply_thread_policy(num_processes: int) -> None:
     Idempotent: a process where a launcher already applied it has ``OMP_NUM_THREADS`` set, and is left alone.
     """
     _set_num_threads_if_needed(num_processes=max(1, num_processes))
+
+
+def prepare_process(num_processes: int, release_host_memory: bool) -> None:
+    """What every rank's process sets before its process group: the thread policy (for launch paths without a
+    launcher) and, with ``release_host_memory``, glibc's fixed mmap threshold (a warning where there is none)."""
+    apply_thread_policy(num_processes)
+    if release_host_memory and not fix_mmap_threshold():
+        rank_zero_warn("release_host_memory=True has no effect here: it needs glibc (Linux) malloc.")
 
 
 _PRINTED_BY = "_lightning_mp_printed_by"  # attribute on an error that another rank prints in full

@@ -21,16 +21,28 @@ it wraps it, the strategy:
 from __future__ import annotations
 
 import os
+from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states, pl_worker_init_function
 from torch import nn
 from torch.distributed.utils import _sync_module_states
 
 from lightning_mp.init import find_record
 
-__all__ = ["share_generators", "sync_initial_states"]
+
+# [Note: generators at launch] One replica (pp x tp ranks and no more) is the peer of one device (``"auto"``), which
+# leaves the global generators as the user's script left them: the shuffle of a ``shuffle=True`` loader, then every
+# draw, equals that run's. Several replicas are the peer of ``ddp``, which re-seeds from ``PL_GLOBAL_SEED`` in
+# ``SMPStrategy.setup_environment`` (and shards with ``DistributedSampler``); so do we. Every rank of a replica starts
+# from the same state either way: with a seed, popen and torchrun re-run the script, Lightning's spawn launcher
+# restores the parent's snapshot, and ours does so under fork too (Python re-seeds `random` in a forked child);
+# without one, every rank takes global rank 0's generators and model (see [Note: ranks start alike] above). Setup's
+# extra work (first batch, trace) restores them (``generators_kept``).
+
+__all__ = ["seed_workers_by_replica", "share_generators", "sync_initial_states"]
 
 _BUCKET_BYTES = 250 * 2**20  # DDP's default broadcast bucket
 
@@ -62,3 +74,14 @@ def sync_initial_states(module: nn.Module, src: int = 0) -> None:
     payload = [(record.cpu_rng_state, record.cuda_rng_states) if dist.get_rank() == src else None]
     dist.broadcast_object_list(payload, src=src)
     record.cpu_rng_state, record.cuda_rng_states = payload[0]
+
+
+def seed_workers_by_replica(dataloader: Any, dp_rank: int) -> None:
+    """Under ``seed_everything(workers=True)``, seed ``dataloader``'s workers by data-parallel rank, not global rank.
+
+    Lightning then leaves the ``worker_init_fn`` alone; every pp/tp rank of a replica draws in its workers what
+    ``ddp``'s rank ``dp_rank`` draws (one device's with one replica), so the ranks of a replica read one batch. A
+    loader with a ``worker_init_fn`` of its own keeps it.
+    """
+    if int(os.environ.get("PL_SEED_WORKERS", 0)) and getattr(dataloader, "worker_init_fn", False) is None:
+        dataloader.worker_init_fn = partial(pl_worker_init_function, rank=dp_rank)

@@ -19,10 +19,36 @@ from functools import wraps
 from typing import Any
 
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
-__all__ = ["local_optimizer", "shard_optimizer", "sync_hyperparameters_from_local", "track_step_for_schedulers"]
+__all__ = [
+    "local_optimizer",
+    "shard_optimizer",
+    "shard_optimizers",
+    "sync_hyperparameters_from_local",
+    "track_step_for_schedulers",
+]
+
+
+def shard_optimizers(
+    optimizers: list[Optimizer], scheduler_configs: list[Any], group: dist.ProcessGroup, dp_size: int
+) -> list[Any]:
+    """Every optimizer sharded over this stage's data-parallel ``group`` of ``dp_size`` ranks, its schedulers
+    following it (a warning and the optimizers unchanged with one replica: nothing to shard over)."""
+    if dp_size == 1:
+        rank_zero_warn(
+            "shard_optimizer_state=True has no effect with one data-parallel replica (world size = pipeline x"
+            " tensor parallel degree); use more devices to shard the optimizer state."
+        )
+        return optimizers
+    sharded = {id(o): shard_optimizer(o, group) for o in optimizers}
+    for config in scheduler_configs:
+        if id(config.scheduler.optimizer) in sharded:
+            config.scheduler.optimizer = sharded[id(config.scheduler.optimizer)]
+            track_step_for_schedulers(config.scheduler.optimizer)
+    return list(sharded.values())
 
 
 def shard_optimizer(optimizer: Optimizer, group: dist.ProcessGroup) -> ZeroRedundancyOptimizer:

@@ -1,14 +1,10 @@
-"""Per-step glue between Lightning and the pipeline engine: logging and outputs.
+"""Logging in a pipelined step: ``self.log`` calls recorded per microbatch, reduced, and replayed on every rank.
 
-[Note: pipelined step in Lightning] The engine runs forward *and* backward of every microbatch inside
-``SMPStrategy.training_step`` (as DeepSpeed's pipeline engine does in Lightning). Lightning's closure then
-calls ``zero_grad`` and ``backward``: so that ``zero_grad`` cannot wipe the pipeline's gradients, the step's
-gradient owner (:class:`~lightning_mp.strategy._gradients.StepGradients`) moves them aside during the step and
-``SMPStrategy.backward`` adds them back, exactly where an eager ``loss.backward()`` would have accumulated them;
-the reductions across ranks then run once per optimizer step (see [Note: a step's reductions] in
-``_gradients.py``). ``self.log`` calls made once per microbatch are recorded by :class:`LogRecorder`, reduced over
-microbatches on the driver, sent to every stage with the step's summary, and replayed once per step on every rank,
-so logs, the progress bar and ``ModelCheckpoint(monitor=)`` agree on all ranks as with DDP.
+[Note: logging in a pipelined step] ``self.log`` calls made once per microbatch are recorded by
+:class:`LogRecorder`, reduced over microbatches on the driver, sent to every stage with the step's summary
+(:class:`StepSummary`), and replayed once per step on every rank (:func:`replay_logs`), so logs, the progress bar
+and ``ModelCheckpoint(monitor=)`` agree on all ranks as with DDP. Metrics objects: see [Note: metrics in a
+pipelined step] in ``_metrics.py``.
 """
 
 from __future__ import annotations
@@ -20,11 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torchmetrics import Metric
 
-from lightning_mp.pipeline import materialize
+from lightning_mp.pipeline._handles import materialize
 from lightning_mp.strategy._metrics import (
     MetricCalls,
     MetricLog,
@@ -33,14 +28,9 @@ from lightning_mp.strategy._metrics import (
     unlogged_states,
 )
 
-__all__ = ["LogRecorder", "StepSummary", "detach_cpu", "replay_logs"]
+__all__ = ["LogRecorder", "StepSummary", "replay_logs"]
 
 _REDUCERS = {"mean": torch.mean, "sum": torch.sum, "max": torch.max, "min": torch.min}
-
-
-def detach_cpu(obj: Any) -> Any:
-    """Every tensor in ``obj`` detached and on the CPU (so it can be sent between stages and kept)."""
-    return apply_to_collection(obj, torch.Tensor, lambda t: t.detach().cpu())
 
 
 @dataclass
@@ -58,8 +48,9 @@ class StepSummary:
     Attributes:
         output: the merged, detached step output.
         logs: the logged values, reduced over microbatches.
-        num_tokens: with token-weighted losses (see [Note: token-weighted losses]), the sum of the microbatches'
-            ``num_tokens``; every stage divides its gradients of the step by it. ``None`` otherwise.
+        num_tokens: with token-weighted losses (see [Note: token-weighted losses] in ``_runner.py``), the sum of
+            the microbatches' ``num_tokens``; every stage divides its gradients of the step by it. ``None``
+            otherwise.
         metric_states: the states of metrics the step updated but did not log (see [Note: metrics in a
             pipelined step]); the other stages load them.
     """
@@ -71,7 +62,7 @@ class StepSummary:
 
 
 class LogRecorder:
-    """Capture ``LightningModule.log`` calls during a pipelined step (see [Note: pipelined step in Lightning]).
+    """Capture ``LightningModule.log`` calls during a pipelined step (see [Note: logging in a pipelined step]).
 
     While active, ``module.log`` (and so ``log_dict``) records instead of logging. :meth:`reduced` gives one
     value per name: the mean over microbatches (or the ``reduce_fx`` the call asked for: sum, max, min), reduced
@@ -139,7 +130,6 @@ class LogRecorder:
                 value = value[0]
             logs.append((call.name, value.to(torch.float32), call.args, call.kwargs))
         return logs + self._metrics.logs(self._module)
-
 
     def unlogged_metric_states(self) -> list[MetricLog]:
         """After the step: the states of the module's metrics it updated without logging them."""
