@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torchmetrics import Metric
 
-from lightning_mp.pipeline._handles import materialize
+from lightning_mp.pipeline import materialize
 from lightning_mp.strategy._metrics import (
     MetricCalls,
     MetricLog,

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_mp.callbacks import PartitionSummary
 from lightning_mp.config import SMPConfig
 from lightning_mp.memory._host import trim_host_memory
 from lightning_mp.partition import ModelTrace, PartitionPlan, manual_placements
@@ -134,7 +133,7 @@ def choose_plan(
     result: Any = _trace_and_plan(trainer, config, sample_to_device, forward_context) if global_rank == 0 else None
     plan = broadcast_plan(result)
     model_trace = result[1] if global_rank == 0 else None
-    if global_rank == 0 and not any(isinstance(c, PartitionSummary) for c in trainer.callbacks):
+    if global_rank == 0 and not any(getattr(c, "shows_partition_table", False) for c in trainer.callbacks):  # PartitionSummary
         rank_zero_info("lightning_mp partition plan:\n" + plan.format_table(model_trace))  # the callback prints more
     if module.example_input_array is not None:
         rank_zero_warn(
