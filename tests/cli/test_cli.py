@@ -44,8 +44,8 @@ CAUSED_BY_US = (
 RUN_ELSEWHERE = {
     "gpt_pp2": "test_gpt_pp2_short_fit",
     "gpt_pp2_timeline": "test_gpt_pp2_timeline_config_writes_the_trace_and_prints_the_bubble",
-    "gpt_tp2": "tests/test_tp_cli.py",
-    "llama_tp2": "tests/test_tp_cli.py",
+    "gpt_tp2": "tests/cli/test_tp_configs.py",
+    "llama_tp2": "tests/cli/test_tp_configs.py",
 }
 BOUNDS = {  # a few steps; the 403 M parameter config keeps its layout and features at a width CI can run
     "gpt_large_pp4_delayed": ["--model.init_args.n_layer", "4", "--model.init_args.n_embd", "128"],

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 
-import lightning_mp
-
 
 # ---- tier 2: Trainer(strategy="smp"), fork -------------------------------------------------------------------
 

@@ -10,7 +10,6 @@ from datetime import timedelta
 
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
 from lightning_mp.strategy._placement import make_plan_in_child
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 import lightning_mp
 from lightning_mp.memory import glibc

@@ -7,8 +7,7 @@ from datetime import timedelta
 
 from torch import nn
 
-import lightning_mp
-from lightning_mp.partition import PartitionPlan, plan
+from lightning_mp.partition import PartitionPlan
 
 
 # ---- tier 2: Trainer(strategy="smp") against one process ----------------------------------------------------

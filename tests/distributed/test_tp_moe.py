@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import lightning_mp
-from lightning_mp.nn import DistributedMoE, MoE, route
+from lightning_mp.nn import MoE, route
 from lightning_mp.tp import TPGroup, shard, shard_spec
 from lightning_mp.tp._swap import swap_modules
 from tests._dist import run_distributed

@@ -21,6 +21,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_mp
+from tests._fit import fit_and_collect
 
 STEPS, BATCH = 3, 8
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,13 +89,9 @@ def _fit(out_dir: str, strategy, devices: int, workers: bool) -> list[list[dict]
     os.makedirs(out_dir)
     L.seed_everything(42, workers=workers, verbose=False)
     model = NoDraws(num_workers=1 if workers else 0)  # built after seeding: its init draws, as in a user's script
-    trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[RecordOrder(out_dir)],
+    return fit_and_collect(
+        model, out_dir, devices=devices, strategy=strategy, max_steps=STEPS, record=RecordOrder(out_dir)
     )
-    trainer.fit(model)
-    return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(devices)]
 
 
 def _assert_same_steps(got: list[dict], expected: list[dict]) -> None:

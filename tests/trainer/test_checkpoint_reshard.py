@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_mp
+from tests._fit import fit_and_collect
 from tests.trainer.test_tp_trainer import GLOBAL_BATCH, STEPS, T, VOCAB, Record, TinyHF, TinyTPGPT
 
 
@@ -98,20 +99,17 @@ def _fit(model_cls, out_dir, devices: int, strategy=None, steps: int = STEPS, ck
 
 
 def _fit_in(model_cls, out_dir, devices, strategy, steps, ckpt_dir, ckpt_path):
-    os.makedirs(out_dir, exist_ok=True)
     torch.manual_seed(0)
-    callbacks = [Record(str(out_dir))]
+    callbacks = []
     if ckpt_dir is not None:
         callbacks.append(
             L.pytorch.callbacks.ModelCheckpoint(dirpath=str(ckpt_dir), save_last=True, every_n_train_steps=STEPS)
         )
-    trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy or "auto", max_steps=steps, logger=False,
-        enable_checkpointing=ckpt_dir is not None, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks, use_distributed_sampler=False,
+    return fit_and_collect(
+        model_cls(), out_dir, devices=devices, strategy=strategy, max_steps=steps, record=Record(str(out_dir)),
+        callbacks=callbacks, ckpt_path=str(ckpt_path) if ckpt_path else None, num_sanity_val_steps=0,
+        limit_val_batches=0, use_distributed_sampler=False,
     )
-    trainer.fit(model_cls(), ckpt_path=str(ckpt_path) if ckpt_path else None)
-    return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(devices)]
 
 
 def _check(results, reference, what: str) -> None:

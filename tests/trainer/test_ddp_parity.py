@@ -23,7 +23,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_mp
-from tests.trainer.test_strategy import STEPS, Record, Wrapped, _fit
+from tests._fit import fit_and_collect
+from tests.trainer.test_strategy import STEPS, Wrapped, _fit, record
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -167,13 +168,11 @@ class RecordSummary(L.Callback):
 def _fit_classifier(out_dir: Path, strategy: Any, devices: int, **kwargs: Any) -> list[dict]:
     out_dir.mkdir()
     torch.manual_seed(0)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_epochs=2, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, num_sanity_val_steps=0,
-        callbacks=[RecordRun(str(out_dir)), RecordSummary(str(out_dir))], **kwargs,
+    return fit_and_collect(
+        Classifier(), out_dir, devices=devices, strategy=strategy, record=RecordRun(str(out_dir)),
+        callbacks=[RecordSummary(str(out_dir))], max_epochs=2, enable_model_summary=True, num_sanity_val_steps=0,
+        **kwargs,
     )
-    trainer.fit(Classifier())
-    return [torch.load(out_dir / f"{rank}.pt") for rank in range(devices)]
 
 
 def _assert_runs_match(got: dict, expected: dict, what: str) -> None:
@@ -241,13 +240,11 @@ class AdamLM(Wrapped):
 def _fit_lm(out_dir: Path, ckpt_dir: Path, strategy: Any, devices: int, max_steps: int, ckpt_path: Any = None):
     out_dir.mkdir()
     torch.manual_seed(0)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
-        callbacks=[Record(str(out_dir)), L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True)],
+    return fit_and_collect(
+        AdamLM(), out_dir, devices=devices, strategy=strategy, max_steps=max_steps, record=record(str(out_dir)),
+        callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True)], ckpt_path=ckpt_path,
+        num_sanity_val_steps=0, use_distributed_sampler=False,
     )
-    trainer.fit(AdamLM(), ckpt_path=ckpt_path)
-    return [torch.load(out_dir / f"{rank}.pt") for rank in range(devices)]
 
 
 @pytest.fixture(scope="module")

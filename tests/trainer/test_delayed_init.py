@@ -16,8 +16,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_mp
 from lightning_mp.strategy._tied import original_names
-from lightning_mp.init import delay_param_initialization
-from lightning_mp.partition import plan, trace
 from tests.unit.test_delayed_init import BATCH, BUILDS, SEED, STEPS, _assert_bitwise, _eager, _tensors
 
 

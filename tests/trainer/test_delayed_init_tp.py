@@ -11,6 +11,7 @@ import torch
 
 import lightning_mp
 from lightning_mp.tp import shard, shard_spec
+from tests._fit import fit_and_collect
 from tests.unit.test_delayed_init import _tensors
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*copying from a non-meta parameter")
@@ -100,13 +101,10 @@ def test_tied_llama_delayed_through_the_callback_at_tp2(tmp_path):
 
     def fit(out_dir, strategy=None, devices=1, callbacks=()):
         os.makedirs(out_dir)
-        trainer = L.Trainer(
-            accelerator="cpu", devices=devices, strategy=strategy or "auto", max_steps=STEPS, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            num_sanity_val_steps=0, callbacks=[Record(out_dir), *callbacks], use_distributed_sampler=False,
+        return fit_and_collect(
+            Configured(), out_dir, devices=devices, strategy=strategy, max_steps=STEPS, record=Record(out_dir),
+            callbacks=callbacks, num_sanity_val_steps=0, use_distributed_sampler=False,
         )
-        trainer.fit(Configured())
-        return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(devices)]
 
     torch.manual_seed(5)
     full = {f"model.{k}": v.detach().clone() for k, v in _tensors(BUILDERS["llama"]()).items()}

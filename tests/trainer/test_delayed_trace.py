@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_mp
+from tests._fit import fit_and_collect
 from tests.unit.test_delayed_trace import Gated, SEED, STEPS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,27 +45,9 @@ class Lit(L.LightningModule):
                           batch_size=8)
 
 
-class Record(L.Callback):
-    def __init__(self, out_dir: str) -> None:
-        self.out_dir, self.losses = out_dir, []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"]))
-
-    def on_train_end(self, trainer, pl_module):
-        params = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
-        torch.save({"losses": self.losses, "params": params}, os.path.join(self.out_dir, f"{trainer.global_rank}.pt"))
-
-
 def _fit(out_dir: Path, strategy="auto", devices: int = 1) -> list[dict]:
     out_dir.mkdir()
-    trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[Record(str(out_dir))],
-    )
-    trainer.fit(Lit())
-    return [torch.load(out_dir / f"{r}.pt") for r in range(devices)]
+    return fit_and_collect(Lit(), out_dir, devices=devices, strategy=strategy, max_steps=STEPS)
 
 
 def test_data_dependent_model_with_delayed_init_at_pp2_matches_eager_one_process(tmp_path):

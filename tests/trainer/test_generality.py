@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import lightning_mp
-from lightning_mp import SMPStrategy
 from tests.models import MLPStack
 
 STEPS, LR = 3, 0.1

@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_mp
+from tests._fit import RecordTraining, fit_and_collect
 from tests.unit.test_memory_savers import Block, Net
 
 
@@ -56,48 +57,40 @@ class NetModule(L.LightningModule):
         return DataLoader(dataset, batch_size=BATCH // kwargs["num_replicas"], sampler=sampler, drop_last=True)
 
 
-class Record(L.Callback):
+class Record(RecordTraining):
     """Per rank: final parameters, the losses, and evidence that each switch ran."""
 
     def __init__(self, out_dir: str, offloading: lightning_mp.ActivationOffloading | None = None) -> None:
-        self.out_dir, self.offloading = out_dir, offloading
-        self.losses: list[float] = []
+        super().__init__(out_dir)
+        self.offloading = offloading
         self.packs = 0
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"]))
+    def on_step(self, trainer, pl_module, batch_idx):
         if self.offloading is not None:
             self.packs = self.offloading.offloader.stats.packs
 
-    def on_train_end(self, trainer, pl_module):
+    def extra(self, trainer, pl_module):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         optimizer = trainer.optimizers[0]
         local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
-        torch.save(
-            {
-                "losses": self.losses,
-                "params": {n: p.detach().clone() for n, p in pl_module.named_parameters()},
-                "checkpointed": sorted(f for f, _ in lightning_mp.memory.checkpointed_modules(pl_module)),
-                "packs": self.packs,
-                "sharded": isinstance(optimizer, ZeroRedundancyOptimizer),
-                "state_params": len(local.state),
-            },
-            os.path.join(self.out_dir, f"{trainer.global_rank}.pt"),
-        )
+        return {
+            "checkpointed": sorted(f for f, _ in lightning_mp.memory.checkpointed_modules(pl_module)),
+            "packs": self.packs,
+            "sharded": isinstance(optimizer, ZeroRedundancyOptimizer),
+            "state_params": len(local.state),
+        }
 
 
 def _fit(out_dir: str, strategy="auto", devices: int = 1, callbacks=(), model=None, max_steps=STEPS, ckpt_path=None,
          checkpoint_dir=None) -> list[dict]:
     offloading = next((c for c in callbacks if isinstance(c, lightning_mp.ActivationOffloading)), None)
     extra = [] if checkpoint_dir is None else [L.pytorch.callbacks.ModelCheckpoint(dirpath=checkpoint_dir, save_last=True)]
-    trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps, logger=False,
-        enable_checkpointing=checkpoint_dir is not None, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[Record(out_dir, offloading), *callbacks, *extra], use_distributed_sampler=False,
+    return fit_and_collect(
+        model if model is not None else NetModule(), out_dir, devices=devices, strategy=strategy, max_steps=max_steps,
+        record=Record(out_dir, offloading), callbacks=[*callbacks, *extra], ckpt_path=ckpt_path,
+        use_distributed_sampler=False,
     )
-    trainer.fit(model if model is not None else NetModule(), ckpt_path=ckpt_path)
-    return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(devices)]
 
 
 def _assert_matches(results: list[dict], reference: dict, pp: int, dp: int) -> None:

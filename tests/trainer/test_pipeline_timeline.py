@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 import lightning_mp
+from lightning_mp.callbacks import PipelineTimeline
 from tests.trainer.test_strategy import STEPS, _fit
 
 RECORDED_STEP, MICROBATCHES = 1, 4

@@ -30,6 +30,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_mp
+from tests._fit import RecordTraining, fit_and_collect
+from tests.models import tiny_gpt2
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 STEPS = 3
@@ -96,12 +98,7 @@ def _padded_step(model, batch):
 
 
 def _gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(
-        vocab_size=40, n_positions=16, n_embd=16, n_layer=4, n_head=2, resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2
-    )
-    return GPT2LMHeadModel(config)
+    return tiny_gpt2(vocab_size=40, n_layer=4, n_head=2, dropout=0.2)
 
 
 def _lm_batch(n: int, seed: int) -> tuple[torch.Tensor]:
@@ -264,35 +261,17 @@ class Lit(L.LightningModule):
         return DataLoader(TensorDataset(*(torch.cat(t) for t in zip(*parts))), batch_size=self.batch, shuffle=False)
 
 
-class Record(L.Callback):
-    def __init__(self, out_dir: str) -> None:
-        self.out_dir, self.losses, self.logged = out_dir, [], []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"]))
-        self.logged.append(float(trainer.callback_metrics["train_loss"]))
-
-    def on_train_end(self, trainer, pl_module):
-        state = {n: t.detach().clone() for n, t in pl_module.state_dict().items()}
-        torch.save({"losses": self.losses, "logged": self.logged, "state": state},
-                   os.path.join(self.out_dir, f"{trainer.global_rank}.pt"))
-
-
 def fit(out_dir: str, name: str, strategy: Any = "auto", devices: int = 1, batch: int = 8, seed: int = 0,
         callbacks=(), **trainer_kwargs) -> list[dict]:
-    os.makedirs(out_dir, exist_ok=True)
     # One intra-op thread in this process too: a forked child of a process whose OpenMP pool ran (the reference
     # fit's convolutions) can hang in its first parallel region.
     torch.set_num_threads(1)
     L.seed_everything(seed, verbose=False)
-    model = Lit(name, batch)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False, callbacks=[Record(out_dir), *callbacks], **trainer_kwargs,
+    return fit_and_collect(
+        Lit(name, batch), out_dir, devices=devices, strategy=strategy, max_steps=STEPS,
+        record=RecordTraining(out_dir, logged=True, weights="state"), callbacks=callbacks,
+        use_distributed_sampler=False, **trainer_kwargs,
     )
-    trainer.fit(model)
-    return [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(devices)]
 
 
 def smp(pp: int, microbatches: int, **kwargs) -> lightning_mp.SMPStrategy:

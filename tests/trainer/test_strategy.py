@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_mp
 from lightning_mp.strategy._placement import load_plan
+from tests._fit import RecordTraining, fit_and_collect
 from tests.models import Branchy, MLPStack, PlacedMLP, TinyLM
 
 MODELS = {"mlp": MLPStack, "branchy": Branchy, "tiedlm": TinyLM, "placed": PlacedMLP}
@@ -66,48 +67,19 @@ class Wrapped(L.LightningModule):
         return DataLoader(dataset, batch_size=GLOBAL_BATCH // kwargs["num_replicas"], sampler=sampler, drop_last=True)
 
 
-class Record(L.Callback):
-    """Per rank: the loss each step returned, the value logged, and the final local parameters."""
-
-    def __init__(self, out_dir: str) -> None:
-        self.out_dir = out_dir
-        self.losses: list[float] = []
-        self.logged: list[float] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"]))
-        self.logged.append(float(trainer.callback_metrics["train_loss"]))
-
-    def on_train_end(self, trainer, pl_module):
-        params = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-        torch.save(
-            {"losses": self.losses, "logged": self.logged, "params": params, "metrics": metrics},
-            os.path.join(self.out_dir, f"{trainer.global_rank}.pt"),
-        )
+def record(out_dir: str) -> RecordTraining:
+    """Per rank: the loss each step returned, the value logged, the final local parameters and metrics."""
+    return RecordTraining(out_dir, logged=True, metrics=True)
 
 
 def _fit(
     model_name: str, out_dir: str, strategy=None, devices: int = 1, callbacks_extra=(), **trainer_kwargs
 ) -> list[dict]:
     torch.manual_seed(0)
-    model = Wrapped(model_name)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy if strategy is not None else "auto",
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        callbacks=[Record(out_dir), *callbacks_extra],
-        use_distributed_sampler=False,
-        **trainer_kwargs,
+    return fit_and_collect(
+        Wrapped(model_name), out_dir, devices=devices, strategy=strategy, max_steps=STEPS, record=record(out_dir),
+        callbacks=callbacks_extra, num_sanity_val_steps=0, use_distributed_sampler=False, **trainer_kwargs,
     )
-    trainer.fit(model)
-    return [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(devices)]
 
 
 CLIP = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}  # small enough to clip every step
@@ -178,23 +150,12 @@ def test_fit_matches_one_process(tmp_path, model_name, pp, dp, microbatches, sch
 
 def _fit_with_checkpoint(out_dir: str, ckpt_dir: str, strategy, devices: int, max_steps: int, ckpt_path=None):
     torch.manual_seed(0)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[
-            Record(out_dir),
-            # monitor: every rank must see the logged value, or ModelCheckpoint raises on the ranks without it
-            L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, monitor="train_loss", mode="min"),
-        ],
-        use_distributed_sampler=False,
+    # monitor: every rank must see the logged value, or ModelCheckpoint raises on the ranks without it
+    checkpoint = L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, monitor="train_loss", mode="min")
+    return fit_and_collect(
+        Wrapped("tiedlm"), out_dir, devices=devices, strategy=strategy, max_steps=max_steps, record=record(out_dir),
+        callbacks=[checkpoint], ckpt_path=ckpt_path, use_distributed_sampler=False,
     )
-    trainer.fit(Wrapped("tiedlm"), ckpt_path=ckpt_path)
-    return [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(devices)]
 
 
 @pytest.mark.parametrize("resume_pp", [2, 1], ids=["resume-same-layout", "resume-pp2-as-pp1"])

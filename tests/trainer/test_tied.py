@@ -4,8 +4,6 @@ bitwise equal after every step, and a checkpoint resumes at another pipeline deg
 
 from __future__ import annotations
 
-import os
-
 import lightning as L
 import pytest
 import torch
@@ -14,9 +12,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_mp
-from lightning_mp.partition import PartitionPlan, plan
+from lightning_mp.partition import PartitionPlan
 from lightning_mp.strategy._placement import load_plan
 from lightning_mp.strategy._tied import original_names
+from tests._fit import RecordTraining, fit_and_collect
 from tests.models import TinyLM
 from tests.unit.test_tied import BUILDS
 
@@ -54,16 +53,14 @@ class TiedModule(L.LightningModule):
         return DataLoader(TensorDataset(*(torch.cat(t) for t in zip(*parts))), batch_size=BATCH, shuffle=False)
 
 
-class Record(L.Callback):
+class Record(RecordTraining):
     """Per rank: losses, the tied copies after every step (under every name this rank holds), final parameters."""
 
     def __init__(self, out_dir: str) -> None:
-        self.out_dir = out_dir
-        self.losses: list[float] = []
+        super().__init__(out_dir)
         self.copies: list[dict[str, torch.Tensor]] = []
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"]))
+    def on_step(self, trainer, pl_module, batch_idx):
         if not hasattr(self, "tied"):
             names = original_names(BUILDS[pl_module.name][0]())
             self.tied = set(names) | set(names.values())
@@ -71,27 +68,20 @@ class Record(L.Callback):
         self.copies.append({n: p.detach().clone() for n, p in pl_module.named_parameters(prefix="", remove_duplicate=False)
                             if n.removeprefix("net.") in tied})
 
-    def on_train_end(self, trainer, pl_module):
-        params = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+    def extra(self, trainer, pl_module):
         plan_data = trainer.strategy.partition_plan.to_dict() if hasattr(trainer.strategy, "partition_plan") else None
-        torch.save({"losses": self.losses, "copies": self.copies, "params": params, "plan": plan_data},
-                   os.path.join(self.out_dir, f"{trainer.global_rank}.pt"))
+        return {"copies": self.copies, "plan": plan_data}
 
 
 def _fit(name: str, out_dir: str, strategy="auto", devices: int = 1, max_steps: int = STEPS, ckpt_dir=None,
          ckpt_path=None, **trainer_kwargs) -> list[dict]:
-    os.makedirs(out_dir, exist_ok=True)
     torch.manual_seed(0)
-    callbacks = [Record(out_dir)]
-    if ckpt_dir is not None:
-        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True))
-    trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps, logger=False,
-        enable_checkpointing=ckpt_dir is not None, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, callbacks=callbacks, use_distributed_sampler=False, **trainer_kwargs,
+    callbacks = [] if ckpt_dir is None else [L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True)]
+    return fit_and_collect(
+        TiedModule(name), out_dir, devices=devices, strategy=strategy, max_steps=max_steps, record=Record(out_dir),
+        callbacks=callbacks, ckpt_path=ckpt_path, num_sanity_val_steps=0, use_distributed_sampler=False,
+        **trainer_kwargs,
     )
-    trainer.fit(TiedModule(name), ckpt_path=ckpt_path)
-    return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(devices)]
 
 
 def _smp(pp: int, **kwargs) -> lightning_mp.SMPStrategy:

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import lightning_mp
 from examples.gpt_tp import TPGPT
 from lightning_mp.tp import shard, shard_spec
+from tests._fit import RecordTraining, fit_and_collect
 
 STEPS, GLOBAL_BATCH, VOCAB, T = 3, 4, 33, 8  # an odd vocabulary: padded vocab-parallel shards
 
@@ -53,50 +54,36 @@ class TinyTPGPT(TPGPT):
         return DataLoader(dataset, batch_size=GLOBAL_BATCH // kwargs["num_replicas"], sampler=sampler, drop_last=True)
 
 
-class Record(L.Callback):
-    def __init__(self, out_dir: str) -> None:
-        self.out_dir, self.losses, self.grads = out_dir, [], {}
+class Record(RecordTraining):
+    """Per rank: losses, the first step's final gradients on this rank's shards, the full state dict, the swapped
+    module types, and what the run logged."""
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"]))
+    def __init__(self, out_dir: str) -> None:
+        super().__init__(out_dir, weights="state")  # the state dict is collective under tp: full tensors
+        self.grads = {}
+
+    def on_step(self, trainer, pl_module, batch_idx):
         self.sequence_parallel = any(getattr(m, "sequence_parallel", False) for m in pl_module.modules())
         if batch_idx == 0:  # after the step: the final (averaged, clipped) gradients, on this rank's shards
             self.grads = {n: (p.grad.clone(), shard_spec(p)) for n, p in pl_module.named_parameters()}
 
-    def on_train_end(self, trainer, pl_module):
-        state = {k: v.clone() for k, v in pl_module.state_dict().items()}  # collective under tp: full tensors
-        swapped = sorted({type(m).__name__ for m in pl_module.modules()})
-        record = {
-            "losses": self.losses,
+    def extra(self, trainer, pl_module):
+        return {
             "grads": self.grads,
-            "state": state,
-            "modules": swapped,
+            "modules": sorted({type(m).__name__ for m in pl_module.modules()}),
             "n_head": pl_module.hparams.get("n_head"),
             "sequence_parallel": getattr(self, "sequence_parallel", False),
             "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
             "samples": float(trainer.callback_metrics.get("samples", float("nan"))),
         }
-        torch.save(record, os.path.join(self.out_dir, f"{trainer.global_rank}.pt"))
 
 
 def _fit(out_dir: str, strategy=None, devices: int = 1, n_head: int = 4, **trainer_kwargs) -> list[dict]:
     torch.manual_seed(0)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy if strategy is not None else "auto",
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        callbacks=[Record(out_dir)],
-        use_distributed_sampler=False,
-        **trainer_kwargs,
+    return fit_and_collect(
+        TinyTPGPT(n_head), out_dir, devices=devices, strategy=strategy, max_steps=STEPS, record=Record(out_dir),
+        num_sanity_val_steps=0, use_distributed_sampler=False, **trainer_kwargs,
     )
-    trainer.fit(TinyTPGPT(n_head))
-    return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(devices)]
 
 
 CLIP = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}
@@ -190,21 +177,11 @@ def _fit_resume(
     out_dir: str, ckpt_dir: str, strategy_fn, devices: int, ckpt_path=None, steps: int = STEPS
 ) -> list[dict]:
     torch.manual_seed(0)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy_fn() if strategy_fn else "auto",
-        max_steps=steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[Record(out_dir), L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True)],
-        use_distributed_sampler=False,
+    return fit_and_collect(
+        _NoScheduleGPT(), out_dir, devices=devices, strategy=strategy_fn() if strategy_fn else None, max_steps=steps,
+        record=Record(out_dir), callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True)],
+        ckpt_path=ckpt_path, num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
     )
-    trainer.fit(_NoScheduleGPT(), ckpt_path=ckpt_path)
-    return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(devices)]
 
 
 def test_checkpoint_resume_at_tp2_matches_one_process(tmp_path):
@@ -269,13 +246,10 @@ def test_hf_fit_at_tp2_matches_one_process(tmp_path, name):
     def fit(out_dir, strategy=None, devices=1):
         os.makedirs(out_dir)
         torch.manual_seed(0)
-        trainer = L.Trainer(
-            accelerator="cpu", devices=devices, strategy=strategy or "auto", max_steps=STEPS, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            num_sanity_val_steps=0, callbacks=[Record(out_dir)], use_distributed_sampler=False,
+        return fit_and_collect(
+            TinyHF(name), out_dir, devices=devices, strategy=strategy, max_steps=STEPS, record=Record(out_dir),
+            num_sanity_val_steps=0, use_distributed_sampler=False,
         )
-        trainer.fit(TinyHF(name))
-        return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(devices)]
 
     reference = fit(str(tmp_path / "ref"))[0]
     results = fit(str(tmp_path / "tp2"), lightning_mp.SMPStrategy(tensor_parallel_degree=2, start_method="fork"), 2)

@@ -13,6 +13,7 @@ from torch import nn
 
 from lightning_mp.init import delay_param_initialization, find_record, materialize_module
 from lightning_mp.partition import plan, trace
+from tests.models import tiny_gpt2
 
 
 class Custom(nn.Module):
@@ -44,9 +45,7 @@ def _gpt():
 
 
 def _gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    return GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
+    return tiny_gpt2(n_layer=4, n_embd=32, n_head=2, vocab_size=64, n_positions=16, dropout=0.1)
 
 
 def _llama():

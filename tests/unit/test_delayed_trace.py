@@ -11,7 +11,6 @@ import pytest
 import torch
 from torch import nn
 
-import lightning_mp
 from lightning_mp.init import delay_param_initialization, materialize_per_call
 
 SEED, STEPS = 0, 3

@@ -8,8 +8,6 @@ import pytest
 import torch
 from torch import nn
 
-import lightning_mp
-
 
 # ---- tier 1: the full-file optimizer format, two param groups, no process group -----------------------------
 

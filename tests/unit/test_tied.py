@@ -11,7 +11,7 @@ from torch import nn
 import lightning_mp
 from lightning_mp.partition import PartitionPlan, plan, stage_costs, trace
 from lightning_mp.strategy._tied import original_names
-from tests.models import TinyLM
+from tests.models import TinyLM, tiny_gpt2
 
 
 class SharedMiddle(TinyLM):
@@ -24,12 +24,7 @@ class SharedMiddle(TinyLM):
 
 
 def _gpt2() -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    return GPT2LMHeadModel(GPT2Config(
-        n_layer=3, n_embd=16, n_head=2, vocab_size=32, n_positions=8, bos_token_id=0, eos_token_id=0,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # dropout streams differ from one process
-    ))
+    return tiny_gpt2(n_layer=3, n_head=2, n_positions=8, bos_token_id=0, eos_token_id=0)
 
 
 def _gpt2_loss(model: nn.Module, batch) -> torch.Tensor:

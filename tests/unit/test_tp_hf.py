@@ -11,6 +11,7 @@ import lightning_mp  # noqa: E402
 from lightning_mp.tp import TPGroup
 from lightning_mp.tp._hf import translate_hf  # noqa: E402
 from lightning_mp.tp._swap import swap_modules  # noqa: E402
+from tests.models import tiny_gpt2  # noqa: E402
 
 VOCAB = 33  # odd: padded vocab-parallel shards
 
@@ -21,14 +22,6 @@ def tiny_llama(tie: bool = True, heads: int = 4, kv_heads: int = 2):
         num_key_value_heads=kv_heads, tie_word_embeddings=tie, max_position_embeddings=32,
     )
     return transformers.LlamaForCausalLM(config)
-
-
-def tiny_gpt2():
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=4, n_positions=16, bos_token_id=0, eos_token_id=0,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )
-    return transformers.GPT2LMHeadModel(config)
 
 
 def tiny_encoder(kind: str):
@@ -45,7 +38,7 @@ def tiny_encoder(kind: str):
 
 BUILDERS = {
     "llama": tiny_llama,
-    "gpt2": tiny_gpt2,
+    "gpt2": lambda: tiny_gpt2(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0),
     "bert": lambda: tiny_encoder("bert"),
     "roberta": lambda: tiny_encoder("roberta"),
 }
