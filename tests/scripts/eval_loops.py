@@ -1,5 +1,5 @@
 """``fit`` (optional), then ``validate``, ``test`` and ``predict`` with one pp=2 Trainer and the default (popen)
-launcher, for ``tests/test_eval_loops.py``. Usage: ``eval_loops.py MODEL OUT_DIR FIT INFERENCE_MODE`` (0 or 1)."""
+launcher, for ``tests/trainer/test_eval_loops.py``. Usage: ``eval_loops.py MODEL OUT_DIR FIT INFERENCE_MODE`` (0 or 1)."""
 
 import sys
 
