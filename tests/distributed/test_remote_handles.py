@@ -12,7 +12,7 @@ from torch import nn
 
 from lightning_mp.pipeline import PipelineEngine, RemoteValue, split_microbatches
 from tests._dist import make_transport, run_distributed
-from tests.models import expand_placement
+from tests.models import expand_placement, tiny_gpt2
 
 LR, DIM = 0.1, 8
 
@@ -248,13 +248,7 @@ def test_a_handle_passed_to_a_third_stage_and_returned_from_the_step():
 
 
 def _tiny_gpt2():
-    import transformers
-
-    config = transformers.GPT2Config(
-        vocab_size=32, n_embd=16, n_layer=4, n_head=4, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, use_cache=False,
-    )
-    return transformers.GPT2LMHeadModel(config)
+    return tiny_gpt2(n_layer=4, use_cache=False)
 
 
 def _gpt2_batch(seed: int, n: int = 4):

@@ -21,17 +21,14 @@ from lightning_mp.tp._hf import translate_hf  # noqa: E402
 from lightning_mp.tp._swap import swap_modules  # noqa: E402
 from tests._dist import run_distributed  # noqa: E402
 from tests._tp_helpers import grad_pairs  # noqa: E402
+from tests.models import tiny_gpt2  # noqa: E402
 from tests.unit.test_tp_random import P
 
 VOCAB = 32
 
 
 def dropout_gpt2(attn: str):
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=4, n_positions=16, resid_pdrop=P, embd_pdrop=P, attn_pdrop=P,
-    )
-    config._attn_implementation = attn
-    return transformers.GPT2LMHeadModel(config)
+    return tiny_gpt2(vocab_size=VOCAB, dropout=P, attn_implementation=attn)
 
 
 def dropout_llama(attn: str):
