@@ -5,9 +5,6 @@ from __future__ import annotations
 import os
 
 
-# ---- tier 2: Trainer(strategy="smp"), fork -------------------------------------------------------------------
-
-
 def test_memory_savers_config_trains_through_the_cli(tmp_path):
     """configs/gpt_memory_savers.yaml (every switch from YAML; run at pp=2 on 2 processes) via the CLI.
 

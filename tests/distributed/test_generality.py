@@ -33,9 +33,6 @@ STEPS, LR = 3, 0.1
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
-# ---- tier 2: the engine, every scenario in one 3-process run --------------------------------------------------
-
-
 def _equal_parts(num_microbatches: int) -> Callable[[Any, int], list]:
     return lambda batch, step: split_microbatches(batch, num_microbatches)
 

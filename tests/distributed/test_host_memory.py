@@ -10,9 +10,6 @@ import lightning_mp
 from lightning_mp.memory import glibc
 
 
-# ---- tier 2: Trainer(strategy="smp"), fork -------------------------------------------------------------------
-
-
 _RELEASE_PROBE = """
 import sys, threading, torch
 from lightning_mp.memory._host import fix_mmap_threshold

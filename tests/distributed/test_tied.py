@@ -10,9 +10,6 @@ from torch import nn
 from lightning_mp.partition import PartitionPlan
 
 
-# ---- tier 2: Trainer(strategy="smp") against one process ----------------------------------------------------
-
-
 def _tie_missing_on_stage_1(rank: int, world_size: int) -> str:
     """Stage 1's model lacks the replicated parameter (a plan for another model): every rank raises, none waits."""
     from lightning_mp.strategy._tied import build_tied_weights

@@ -22,8 +22,6 @@ from lightning_mp.nn import (
 from tests._dist import run_distributed
 from tests._tp_helpers import assert_pairs, run_pair, world_tp
 
-# ---- tier 2: 2 gloo ranks against the plain module ------------------------------------------------------------
-
 
 def _layers_worker(rank: int, world_size: int) -> dict:
     tp = world_tp()

@@ -19,9 +19,6 @@ from lightning_mp.strategy._tied import original_names
 from tests.unit.test_delayed_init import BATCH, BUILDS, SEED, STEPS, _assert_bitwise, _eager, _tensors
 
 
-# ---- tier 2: Trainer(strategy="smp"), fork -------------------------------------------------------------------
-
-
 def _token_batches(vocab: int = 64, t: int = 8) -> TensorDataset:
     g = torch.Generator().manual_seed(3)
     x = torch.randint(0, vocab, (BATCH * STEPS, t), generator=g)

@@ -17,9 +17,6 @@ from tests.unit.test_delayed_init import _tensors
 pytestmark = pytest.mark.filterwarnings("ignore:.*copying from a non-meta parameter")
 
 
-# ---- tier 2: Trainer(strategy="smp"), fork -------------------------------------------------------------------
-
-
 class Initial(L.Callback):
     """Per rank at fit start: the local tensors and whether each storage is exactly its own size."""
 

@@ -18,9 +18,6 @@ STEPS, LR = 3, 0.1
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
-# ---- tier 2 with Lightning: non_split_inputs and predict order ----------------------------------------------
-
-
 ROWS, BATCH, DIM, TABLE_ROWS = 24, 8, 8, 5
 
 

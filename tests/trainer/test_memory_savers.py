@@ -16,8 +16,6 @@ from tests._fit import RecordTraining, fit_and_collect
 from tests.unit.test_memory_savers import Block, Net
 
 
-# ---- tier 2: Trainer(strategy="smp"), fork -------------------------------------------------------------------
-
 STEPS, BATCH, SEED = 3, 8, 11
 
 

@@ -1,6 +1,6 @@
 """Models nobody here wrote, through every loop (issue 27): torch's pipelining model registry and ``nn`` blocks.
 
-Tier 2. Each model of ``tests/registry_models.py`` runs ``Trainer.fit`` (a few SGD steps), then
+Each model of ``tests/registry_models.py`` runs ``Trainer.fit`` (a few SGD steps), then
 ``trainer.validate`` and ``trainer.predict`` with the same ``Trainer``, at pp=2 and (where it has the modules)
 pp=3, against the unmodified ``LightningModule`` on one process: every parameter and buffer after ``fit``, the
 validation metrics, every prediction. To stay CI-affordable, all models of one pipeline degree run one after the

@@ -1,6 +1,6 @@
 """Same maths on every layout (issue 12), with models written the way people write them.
 
-Tier 2 (``Trainer.fit`` on 2-4 forked CPU processes) against plain Lightning on one process:
+``Trainer.fit`` on 2-4 forked CPU processes against plain Lightning on one process:
 
 - token-weighted losses: unmodified Hugging Face ``BertForMaskedLM`` (``labels=-100``) and a padded LM with
   ``ignore_index``, microbatches 2 and 4: loss, logged loss, updated parameters equal one process on the batch;

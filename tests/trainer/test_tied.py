@@ -23,9 +23,6 @@ STEPS, BATCH = 3, 8
 CLIP = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}  # small enough to clip every step
 
 
-# ---- tier 2: Trainer(strategy="smp") against one process ----------------------------------------------------
-
-
 class TiedModule(L.LightningModule):
     def __init__(self, name: str) -> None:
         super().__init__()

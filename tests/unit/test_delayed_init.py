@@ -236,8 +236,6 @@ def test_delayed_model_cannot_be_pickled_to_spawned_processes():
         pickle.dumps(_delayed("custom"))
 
 
-# ---- tier 2: Trainer(strategy="smp"), fork -------------------------------------------------------------------
-
 SEED, STEPS, BATCH = 7, 2, 8
 
 

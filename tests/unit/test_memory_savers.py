@@ -202,9 +202,6 @@ def test_offloader_rejects_a_bad_horizon():
         ActivationOffloader(horizon=0)
 
 
-# ---- tier 2: Trainer(strategy="smp"), fork -------------------------------------------------------------------
-
-
 @pytest.mark.parametrize(("strategy", "segments"), [("each", 4), ("group_2", 2), ("group_3", 2), ("contiguous", 1)])
 def test_grouping_strategies_make_one_checkpoint_per_group(strategy, segments):
     """Each checkpoint saves one input: counted by an offloader on every checkpointed module."""

@@ -12,9 +12,6 @@ from lightning_mp import SMPConfig, SMPStrategy
 from lightning_mp.pipeline import MicrobatchSplitError, merge_microbatches, split_microbatches
 
 
-# ---- tier 1: splitting ------------------------------------------------------------------------------------------
-
-
 class Ragged:
     """A custom batch value (flat values + per-row offsets) that knows how to split and merge itself."""
 

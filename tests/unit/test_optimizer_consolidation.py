@@ -9,9 +9,6 @@ import torch
 from torch import nn
 
 
-# ---- tier 1: the full-file optimizer format, two param groups, no process group -----------------------------
-
-
 def _two_group_adam(model: nn.Module) -> torch.optim.Optimizer:
     weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
     biases = [p for n, p in model.named_parameters() if n.endswith("bias")]

@@ -36,9 +36,6 @@ def _gpt2_loss(model: nn.Module, batch) -> torch.Tensor:
 BUILDS = {"tinylm": (TinyLM, TinyLM.loss), "sharedmid": (SharedMiddle, TinyLM.loss), "gpt2": (_gpt2, _gpt2_loss)}
 
 
-# ---- tier 1: planning ----------------------------------------------------------------------------------------
-
-
 def _trace(name: str):
     torch.manual_seed(0)
     build, loss = BUILDS[name]
@@ -127,9 +124,6 @@ def test_tied_weights_value_is_checked():
         plan(tr, 2, tied_weights="copy")
     with pytest.raises(ValueError, match="`tied_weights` must be"):
         lightning_mp.SMPConfig(tied_weights="copy")
-
-
-# ---- tier 2: Trainer(strategy="smp") against one process ----------------------------------------------------
 
 
 @pytest.fixture(autouse=True)

@@ -8,8 +8,6 @@ import torch
 from lightning_mp.nn import DistributedAttention, DistributedLinear, DistributedMLP, DistributedTransformerLMHead
 from lightning_mp.tp import ShardSpec, TPDivisibilityError, TPGroup, shard, unshard
 
-# ---- tier 1: sharding maths --------------------------------------------------------------------------------
-
 
 def _arange(*shape: int) -> torch.Tensor:
     return torch.arange(float(torch.Size(shape).numel())).reshape(shape)

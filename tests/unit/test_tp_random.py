@@ -32,7 +32,7 @@ def _push_after_column(region: ShardedRandomRegion) -> None:
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("attn", ["dropout", "sdpa"])
 def test_masks_are_bitwise_the_slice_of_one_process_masks(rank, attn):
-    """Tier 1 (a fake tp rank, no group): dropout on ``(B, nh / tp, T, T)`` attention weights inside a region is
+    """A fake tp rank, no group: dropout on ``(B, nh / tp, T, T)`` attention weights inside a region is
     bitwise rank ``r``'s heads of one process's dropout on ``(B, nh, T, T)``, and the stream continues as its does."""
 
     def draw(x: torch.Tensor) -> torch.Tensor:
