@@ -3,7 +3,7 @@ launcher, for ``tests/trainer/test_eval_loops.py``. Usage: ``eval_loops.py MODEL
 
 import sys
 
-from tests.test_eval_loops import run_loops
+from tests.trainer.test_eval_loops import run_loops
 
 if __name__ == "__main__":
     name, out_dir, fit, inference_mode = sys.argv[1:]

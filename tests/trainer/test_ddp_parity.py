@@ -228,7 +228,7 @@ def test_metrics_losses_and_data_order_match_ddp(tmp_path, capfd):
 
 
 class AdamLM(Wrapped):
-    """The tied-embedding LM of tests/test_strategy.py with Adam (step counts and two moment buffers to carry)."""
+    """The tied-embedding LM of tests/trainer/test_strategy.py with Adam (step counts and two moment buffers to carry)."""
 
     def __init__(self) -> None:
         super().__init__("tiedlm")

@@ -22,6 +22,16 @@ from tests.unit.test_delayed_trace import Gated, SEED, STEPS
 ROOT = Path(__file__).resolve().parents[2]
 
 
+class GateOnAChildsWeight(Gated):
+    """The parent reads ``alt.weight`` outside ``alt``'s call: cannot be made real module by module
+    (``tests/scripts/delayed_trace_error.py``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.alt.weight.sum() > 0:
+            x = x * 2
+        return super().forward(x)
+
+
 class Lit(L.LightningModule):
     def __init__(self, model_cls: type[nn.Module] = Gated) -> None:
         super().__init__()
