@@ -19,7 +19,7 @@ Each family ends as
 Run (3 to 6 minutes on 2 busy CPU cores for the whole zoo)::
 
     PYTHONPATH=$PWD python scripts/tp_zoo.py                  # every family
-    PYTHONPATH=$PWD python scripts/tp_zoo.py --part 0/3       # the third CI runs (tests/test_tp_zoo.py)
+    PYTHONPATH=$PWD python scripts/tp_zoo.py --part 0/3       # the third CI runs (tests/distributed/test_tp_zoo.py)
     PYTHONPATH=$PWD python scripts/tp_zoo.py --families llama,qwen3
 """
 

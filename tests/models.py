@@ -1,4 +1,5 @@
-"""Tiny models shared by the equivalence tests: an MLP stack, a data-dependent branch, tied embeddings."""
+"""Tiny models shared by the equivalence tests: an MLP stack, a data-dependent branch, tied embeddings, a tiny
+Hugging Face GPT-2."""
 
 from __future__ import annotations
 
@@ -133,7 +134,36 @@ class PlacedMLP(MLPStack):
             self.head = nn.Linear(dim, 1)
 
 
-# ---- generality (tests/test_generality.py) ------------------------------------------------------------------
+def tiny_gpt2(
+    *,
+    vocab_size: int = 32,
+    n_embd: int = 16,
+    n_layer: int = 2,
+    n_head: int = 4,
+    n_positions: int = 16,
+    dropout: float = 0.0,
+    attn_implementation: str | None = None,
+    **config,
+) -> nn.Module:
+    """A randomly initialised Hugging Face ``GPT2LMHeadModel`` (drawn from the global generator): ids (B, T) ->
+    logits (B, T, vocab_size).
+
+    ``dropout``: the residual, embedding and attention dropout (Hugging Face's default is 0.1; 0 here, as most
+    tests compare against one process, whose dropout streams differ). ``attn_implementation``: e.g. ``"eager"``
+    or ``"sdpa"``; the default leaves Hugging Face's choice. ``config``: more ``GPT2Config`` fields.
+    """
+    import transformers
+
+    gpt2_config = transformers.GPT2Config(
+        vocab_size=vocab_size, n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_positions=n_positions,
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, **config,
+    )
+    if attn_implementation is not None:
+        gpt2_config._attn_implementation = attn_implementation
+    return transformers.GPT2LMHeadModel(gpt2_config)
+
+
+# ---- generality (tests/distributed/test_generality.py) ------------------------------------------------------------------
 
 
 def describe(obj, path: str = "") -> list[tuple]:
@@ -282,7 +312,7 @@ class VarLen(nn.Module):
 
 
 class SkipNet(nn.Module):
-    """Three stages calling each other (see ``PLACEMENTS["skip"]`` in tests/test_generality.py).
+    """Three stages calling each other (see ``PLACEMENTS["skip"]`` in tests/distributed/test_generality.py).
 
     ``embed`` (stage 0) feeds ``mid`` (stage 1), which runs a per-row data-dependent branch that calls
     ``shared`` (stage 2) a varying number of times and returns its input unchanged beside its result. The driver

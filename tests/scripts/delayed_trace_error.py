@@ -4,7 +4,7 @@ setup fails with one error, and the teardown of the still-meta model adds none."
 import lightning as L
 
 import lightning_mp
-from tests.test_delayed_trace import GateOnAChildsWeight, Lit
+from tests.trainer.test_delayed_trace import GateOnAChildsWeight, Lit
 
 if __name__ == "__main__":
     strategy = lightning_mp.SMPStrategy(pipeline_parallel_degree=2, delayed_parameter_initialization=True)

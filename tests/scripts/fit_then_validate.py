@@ -5,7 +5,7 @@ import lightning as L
 import torch
 
 import lightning_mp
-from tests.test_strategy import Wrapped
+from tests.trainer.test_strategy import Wrapped
 
 if __name__ == "__main__":
     torch.manual_seed(0)
