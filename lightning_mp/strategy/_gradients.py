@@ -45,8 +45,8 @@ on every rank, so every group's collectives match.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -81,7 +81,8 @@ class StepGradients:
         engine: reports each accumulation into a parameter's gradient to the bucketed all-reduce
             (``PipelineEngine.report_gradients``).
         device: where the gradient norm is reduced.
-        launch_in_hooks: see :class:`~lightning_mp.strategy._reducer.GradientReducer`.
+        launch_in_hooks: see :class:`~lightning_mp.strategy._reducer.GradientReducer`; ``None``: yes, except on a
+            GPU with several stages (the hooks would run on engine threads beside the NCCL data plane's).
     """
 
     def __init__(
@@ -91,8 +92,10 @@ class StepGradients:
         tied: TiedWeights,
         engine: PipelineEngine,
         device: torch.device,
-        launch_in_hooks: bool = True,
+        launch_in_hooks: bool | None = None,
     ) -> None:
+        if launch_in_hooks is None:
+            launch_in_hooks = device.type != "cuda" or groups.topology.pipeline_parallel_degree == 1
         self._model, self._groups, self._tied, self._device = model, groups, tied, device
         self._stash = GradientStash()
         self.reducer: GradientReducer | None = None
@@ -157,6 +160,20 @@ class StepGradients:
                 all_reduce_gradients(params, self._groups.dp, topology.data_parallel_degree)
         self._tied.reduce_gradients()  # after the dp average, so every copy gets the same bits (_tied.py)
         self._final = True
+
+    def reducing(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """``closure`` (Lightning's: step, zero_grad, backward), then :meth:`finish`: a no-op when backward reduced
+        the gradients, which it does unless it did not run (a step that returned ``None``). ``closure`` itself when
+        nothing syncs."""
+        if not self.syncs:
+            return closure
+
+        def closure_then_reduce() -> Any:
+            result = closure()
+            self.finish()
+            return result
+
+        return closure_then_reduce
 
     def clip(self, optimizer: Optimizer, clip_val: float | int) -> None:
         """``gradient_clip_algorithm="norm"`` with the whole model's norm (step 6 of [Note: a step's reductions])."""

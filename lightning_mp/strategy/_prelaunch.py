@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
 
 from torch.utils.data import DataLoader
 

@@ -32,9 +32,13 @@ from torch import Tensor
 from lightning_mp.pipeline import MicrobatchSplitError, PipelineEngine, merge_microbatches, split_batch
 from lightning_mp.strategy._logs import LogRecorder, StepSummary, replay_logs
 from lightning_mp.strategy._metrics import load_metric_log
+from lightning_mp.strategy._precision import loss_scale_of
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from lightning.pytorch.plugins.precision import Precision
+
+    from lightning_mp.strategy._gradients import StepGradients
 
 __all__ = ["LossScale", "StepRunner", "steps_optimizer"]
 
@@ -113,6 +117,26 @@ class StepRunner:
                 for state in summary.metric_states:  # see [Note: metrics in a pipelined step]
                     load_metric_log(module, state)
         replay_logs(module, summary.logs, self._log_sync_group)
+        return summary
+
+    def train(
+        self, trainer: pl.Trainer, gradients: StepGradients, params: list, precision: Precision, args: tuple,
+        kwargs: dict,
+    ) -> StepSummary:
+        """One training batch: its pipelined step (forward and backward of every microbatch) between the gradient
+        owner's ``begin`` and ``end`` (see [Note: pipelined step in Lightning] in ``_gradients.py``)."""
+        gradients.begin(
+            params,
+            first_in_window=trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0,
+            last_in_window=steps_optimizer(trainer),
+            microbatches=self.microbatches,
+        )
+        summary = None
+        try:
+            scale = LossScale(self.microbatches, trainer.accumulate_grad_batches, loss_scale_of(precision))
+            summary = self.run("training_step", precision.train_step_context, args, kwargs, loss_scale=scale)
+        finally:
+            gradients.end(summary)
         return summary
 
     def split(self, batch: Any, training: bool) -> list[Any]:

@@ -37,8 +37,8 @@ from lightning_mp.strategy._placement import (
     trace_in_child,
 )
 from lightning_mp.strategy._tied import TiedWeights, build_tied_weights, replicated_stages
-from lightning_mp.strategy._transport import build_order_transport, build_pipeline_transport
-from lightning_mp.topology import ProcessGroups, Topology
+from lightning_mp.strategy._transport import build_order_transport, build_pipeline_transport, group_options
+from lightning_mp.topology import ProcessGroups, Topology, build_process_groups
 from lightning_mp.tp import ParallelGroups
 
 if TYPE_CHECKING:
@@ -76,6 +76,15 @@ def check_supported(module: Any, config: SMPConfig, fitting: bool) -> None:
             "trace_execution_times=True cannot time a model built under delayed parameter initialisation (it is"
             " traced on the meta device). Drop trace_execution_times, or build the model eagerly."
         )
+
+
+def launch_runtime(
+    topology: Topology, config: SMPConfig, device: torch.device, forward_context: Callable[[], Any]
+) -> tuple[ProcessGroups, PipelineEngine]:
+    """Every process group the layout needs, created by every rank in one order (see [Note: process group order] in
+    ``topology.py``), and this rank's pipeline engine over them. Once per process, at launch."""
+    groups = build_process_groups(topology, device.type, config.timeout, group_options(topology, config, device))
+    return groups, build_engine(groups, device, config, forward_context)
 
 
 def build_engine(

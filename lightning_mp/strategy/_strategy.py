@@ -45,21 +45,19 @@ from lightning_mp.strategy import _checkpoint, _saving
 from lightning_mp.strategy._delayed import is_delayed, kept_on_meta
 from lightning_mp.strategy._exit import release_at_exit
 from lightning_mp.strategy._launch import make_launcher, prepare_process
-from lightning_mp.strategy._metrics import sync_metrics_over
-from lightning_mp.strategy._precision import install_synced_scaler, loss_scale_of
+from lightning_mp.strategy._precision import install_synced_scaler
 from lightning_mp.strategy._gradients import StepGradients
 from lightning_mp.strategy._prelaunch import check_before_launch
 from lightning_mp.strategy._replicas import seed_workers_by_replica, share_generators, sync_initial_states
-from lightning_mp.strategy._runner import LossScale, StepRunner
+from lightning_mp.strategy._runner import StepRunner
 from lightning_mp.strategy._runner import steps_optimizer as _steps_optimizer
 from lightning_mp.strategy._saving import unwrap_optimizer as _unwrap
-from lightning_mp.strategy._stages import build_engine, check_supported, choose_plan, install_stage
-from lightning_mp.strategy._summary import gather_parameter_counts, silence_single_replica_sync_advice
-from lightning_mp.strategy._summary import summarize_whole_model
+from lightning_mp.strategy._stages import check_supported, choose_plan, install_stage, launch_runtime
+from lightning_mp.strategy._summary import whole_model_views
 from lightning_mp.strategy._tied import TiedWeights, original_names
-from lightning_mp.strategy._transport import check_data_plane, group_options
+from lightning_mp.strategy._transport import check_data_plane
 from lightning_mp.strategy._zero import local_optimizer, shard_optimizers
-from lightning_mp.topology import MeshAxis, ProcessGroups, Topology, build_process_groups
+from lightning_mp.topology import MeshAxis, ProcessGroups, Topology
 from lightning_mp.tp import ParallelGroups
 
 if TYPE_CHECKING:
@@ -250,15 +248,10 @@ class SMPStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, backend, timeout=self.config.timeout)
         if self._engine is None:  # a later fit/validate/test in the same processes keeps groups, plan and placement
             share_generators()  # without a seed, every rank takes rank 0's: see [Note: ranks start alike]
-            options = group_options(self._topology, self.config, self.root_device)
-            self._process_groups = build_process_groups(
-                self._topology, self.root_device.type, self.config.timeout, options
-            )  # every group from the layout, in one order: see [Note: process group order] in topology.py
-            self._device_mesh = self._process_groups.mesh
-            self._groups = self._process_groups.smp_groups()
-            self._engine = build_engine(
-                self._process_groups, self.root_device, self.config, self.precision_plugin.forward_context
+            self._process_groups, self._engine = launch_runtime(
+                self._topology, self.config, self.root_device, self.precision_plugin.forward_context
             )
+            self._device_mesh, self._groups = self._process_groups.mesh, self._process_groups.smp_groups()
             release_at_exit(self)  # see [Note: exit-time abort] in _exit.py
 
     @contextmanager
@@ -304,71 +297,36 @@ class SMPStrategy(ParallelStrategy):
             self._param_names = original_names(self.model)
         if self.config.save_distributed_checkpoint:
             _checkpoint.name_checkpoint_folders(trainer.checkpoint_callbacks)
-        if self._plan is None:  # the first setup of these processes: every rank starts from rank 0's model
-            sync_initial_states(self.lightning_module)
-        self._place_modules(trainer)
+        if self._plan is None:  # the first setup of these processes (validate after fit keeps the layout)
+            sync_initial_states(self.lightning_module)  # every rank starts from rank 0's model
+            plan, self._trace = choose_plan(  # the same on every rank
+                trainer, self.config, self.global_rank, self._resume_path,
+                lambda batch: self.precision_plugin.convert_input(self.batch_to_device(batch)),
+                self.precision_plugin.forward_context,
+            )
+            self._plan, self._tied = install_stage(  # keep this rank's stage
+                self.lightning_module, plan, self._engine, self.groups, self.topology, self.config, self.root_device,
+                self._param_names,
+            )
         if self.config.load_weights is not None:
             _checkpoint.load_weights(
                 self.config.load_weights, self.lightning_module, self._param_names,
                 strict=self.lightning_module.strict_loading,
             )
-        self._build_reducer()
-        self._setup_logging(trainer)
+        if self._gradients is None:  # the one owner of a step's gradients: see [Note: a step's reductions]
+            self._gradients = StepGradients(
+                self.model, self._process_groups, self._tied, self._engine, self.root_device
+            )
+        dp_group = whole_model_views(trainer, self.lightning_module, self.topology, self.device_mesh, self._param_names)
+        self._runner.attach(self._engine, self.lightning_module, self.topology.pipeline_parallel_degree, dp_group)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if self.config.pipeline_parallel_degree > 1 or self.config.tensor_parallel_degree > 1:
-                self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm
+                self.precision_plugin.clip_grad_by_norm = self._gradients.clip  # the whole model's norm
         self.setup_precision_plugin()
         install_synced_scaler(self.precision_plugin, _group.WORLD)  # see [Note: GradScaler over stages]
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-
-    def _place_modules(self, trainer: pl.Trainer) -> None:
-        """Plan once per process (``_stages.choose_plan``), then keep this rank's stage (``install_stage``)."""
-        if self._plan is not None:  # already placed (e.g. validate after fit): the layout stays
-            return
-        plan, self._trace = choose_plan(
-            trainer, self.config, self.global_rank, self._resume_path,
-            lambda batch: self.precision_plugin.convert_input(self.batch_to_device(batch)),
-            self.precision_plugin.forward_context,
-        )
-        assert self._engine is not None
-        self._plan, self._tied = install_stage(
-            self.lightning_module, plan, self._engine, self.groups, self.topology, self.config, self.root_device,
-            self._param_names,
-        )
-
-    def _setup_logging(self, trainer: pl.Trainer) -> None:
-        """Logged values and summaries over the whole model: synced over replicas, parameters counted over stages."""
-        model_parallel = self.topology.pipeline_parallel_degree * self.topology.tensor_parallel_degree > 1
-        dp_group = self.device_mesh.get_group(MeshAxis.DP.value) if model_parallel else None
-        assert self._engine is not None
-        self._runner.attach(self._engine, self.lightning_module, self.topology.pipeline_parallel_degree, dp_group)
-        if model_parallel:
-            sync_metrics_over(self.lightning_module, dp_group)
-            counts = gather_parameter_counts(  # the whole model, full sizes
-                self.lightning_module, self.device_mesh.get_group(MeshAxis.PP.value), names=self._param_names
-            )
-            summarize_whole_model(trainer.callbacks, counts)
-        if self.topology.data_parallel_degree == 1:
-            silence_single_replica_sync_advice()
-
-    def _build_reducer(self) -> None:
-        """The owner of a step's gradients (see [Note: a step's reductions] in ``_gradients.py``), with the bucketed
-        all-reduce over dp during backward when the groups include one (dp > 1 without tensor parallelism; with it,
-        the replicated parameters' gradients are reduced over tp first, so dp runs after backward, as it always did)."""
-        if self._gradients is not None:
-            return
-        assert self._engine is not None and self._process_groups is not None
-        topology = self.topology
-        self._gradients = StepGradients(
-            self.model,
-            self._process_groups,
-            self._tied,
-            self._engine,
-            self.root_device,
-            launch_in_hooks=self.root_device.type != "cuda" or topology.pipeline_parallel_degree == 1,
-        )
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -384,32 +342,16 @@ class SMPStrategy(ParallelStrategy):
     def model_to_device(self) -> None:
         assert self.model is not None
         if is_delayed(self.model):
-            return  # meta until partitioned; each stage is materialised on the root device in `_place_modules`
+            return  # meta until partitioned; each stage is materialised on the root device in `setup`
         self.model.to(self.root_device)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        trainer = self.lightning_module.trainer
         assert self._gradients is not None
-        self._gradients.begin(
-            list(self.model.parameters()),
-            first_in_window=trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0,
-            last_in_window=_steps_optimizer(trainer),
-            microbatches=self.config.microbatches,
+        summary = self._runner.train(
+            self.lightning_module.trainer, self._gradients, list(self.model.parameters()), self.precision_plugin, args,
+            kwargs,
         )
-        summary = None
-        try:
-            summary = self._runner.run(
-                "training_step",
-                self.precision_plugin.train_step_context,
-                args,
-                kwargs,
-                loss_scale=LossScale(
-                    self.config.microbatches, trainer.accumulate_grad_batches, loss_scale_of(self.precision_plugin)
-                ),
-            )
-        finally:
-            self._gradients.end(summary)
         return move_data_to_device(summary.output, self.root_device)
 
     @override
@@ -430,12 +372,9 @@ class SMPStrategy(ParallelStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """Finish a pipelined step's backward (it already ran in ``training_step``): put its gradients in ``.grad``.
-
-        On the batch that ends an accumulation window the gradients are reduced here (``StepGradients.finish``),
-        before ``post_backward`` runs ``on_after_backward``: a hook there sees the averaged gradients, as under DDP
-        (whose all-reduce ends with backward); on the other batches of a window it sees the window's local gradients
-        so far, as under DDP's ``no_sync``.
-        """
+        On the batch that ends an accumulation window they are reduced here (``StepGradients.finish``), before
+        ``on_after_backward``, which sees them averaged, as under DDP; on the window's other batches it sees the
+        window's local gradients so far, as under DDP's ``no_sync``."""
         module = self.lightning_module
         assert self._gradients is not None
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
@@ -449,22 +388,8 @@ class SMPStrategy(ParallelStrategy):
         """Step after the gradients are reduced (once per optimizer step, after accumulation): :meth:`backward` of
         the window's last batch did it (see [Note: a step's reductions] in ``_gradients.py``); if backward did not
         run (a step that returned ``None``), it happens here after the closure."""
-        gradients = self._gradients
-        assert gradients is not None
-        if not gradients.syncs:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-
-        def closure_then_reduce() -> Any:
-            result = closure()
-            gradients.finish()  # a no-op when backward reduced them (it does unless backward was skipped)
-            return result
-
-        return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
-
-    def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float | int) -> None:
-        """``gradient_clip_algorithm="norm"`` over the whole model: reduced over stages and tp shards."""
         assert self._gradients is not None
-        self._gradients.clip(optimizer, clip_val)
+        return super().optimizer_step(optimizer, self._gradients.reducing(closure), model, **kwargs)
 
     @override
     def barrier(self, name: str | None = None) -> None:

@@ -121,3 +121,26 @@ def silence_single_replica_sync_advice() -> None:
     warnings.filterwarnings(
         "ignore", message=r"It is recommended to use `self\.log\(.*sync_dist=True\)", category=PossibleUserWarning
     )
+
+
+def whole_model_views(trainer: Any, module: nn.Module, topology: Any, mesh: Any, names: Mapping[str, str]) -> Any:
+    """Logged values and summaries over the whole model, at setup: under model parallelism metrics sync over the
+    replicas of this rank and the model summary counts every stage's parameters at full size; with one replica
+    Lightning's advice to sync logged values is silenced (there is nothing to sync).
+
+    Returns:
+        The group over which ``sync_dist=True`` reduces logged values (this rank's replicas, under model
+        parallelism), or ``None`` for Lightning's default.
+    """
+    from lightning_mp.strategy._metrics import sync_metrics_over
+    from lightning_mp.topology import MeshAxis
+
+    model_parallel = topology.pipeline_parallel_degree * topology.tensor_parallel_degree > 1
+    dp_group = mesh.get_group(MeshAxis.DP.value) if model_parallel else None
+    if model_parallel:
+        sync_metrics_over(module, dp_group)
+        counts = gather_parameter_counts(module, mesh.get_group(MeshAxis.PP.value), names=names)  # full sizes
+        summarize_whole_model(trainer.callbacks, counts)
+    if topology.data_parallel_degree == 1:
+        silence_single_replica_sync_advice()
+    return dp_group

@@ -33,7 +33,7 @@ def check_data_plane(config: SMPConfig, device: torch.device) -> None:
 def group_options(topology: Topology, config: SMPConfig, device: torch.device) -> GroupOptions:
     """Which optional groups this run needs: ``host`` (the data plane may be NCCL: look which stages share a GPU),
     ``order`` (deterministic grant order) and ``reducer`` (the bucketed dp all-reduce, which runs without tensor
-    parallelism; see ``_build_reducer`` in ``_strategy.py``)."""
+    parallelism; see ``StepGradients`` in ``_gradients.py``)."""
     return GroupOptions(
         host=config.data_plane != "gloo" and device.type == "cuda" and topology.pipeline_parallel_degree > 1,
         order=config.effective_deterministic_order,
