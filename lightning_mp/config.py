@@ -10,6 +10,7 @@ configuration keys such as ``partitions``, ``microbatches``, ``pipeline``, ``act
 from __future__ import annotations
 
 import difflib
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
@@ -272,9 +273,12 @@ class SMPConfig:
         return self.pipeline_parallel_degree + 2
 
 
-_HIDDEN = {  # names that were user knobs and are not any more -> what to write instead
-    "remote_handles": "`remote_handles` is no longer an argument: remote handles are always on (the results are the"
-    " same without them; the switch is the engine's own, `SMPConfig._remote_handles`, for its tests). Drop it.",
+_DEPRECATED = {  # names that were user knobs and are not any more -> (the field they still set, what to write)
+    "remote_handles": (
+        "_remote_handles",
+        "`SMPStrategy(remote_handles=...)` is deprecated: remote handles are always on (the results are the same"
+        " without them; the switch is the engine's own, `SMPConfig._remote_handles`, for its tests). Drop it.",
+    ),
 }
 
 
@@ -283,12 +287,18 @@ def config_fields(overrides: Mapping[str, Any]) -> dict[str, Any]:
     tuple, ``partition`` as a dict (``None`` as ``{}``).
 
     Raises:
-        TypeError: for a name that is not a field, naming the closest one (or what replaced a retired knob).
+        TypeError: for a name that is not a field, naming the closest one.
+
+    Warns:
+        DeprecationWarning: for a retired knob (``remote_handles``), which still sets its hidden field.
     """
     names = {f.name for f in fields(SMPConfig) if not f.name.startswith("_")}
+    overrides = dict(overrides)
+    for name in [n for n in overrides if n in _DEPRECATED]:
+        field_name, message = _DEPRECATED[name]
+        warnings.warn(message, DeprecationWarning, stacklevel=3)
+        overrides[field_name] = overrides.pop(name)
     for name in overrides:
-        if name in _HIDDEN:
-            raise TypeError(_HIDDEN[name])
         if name not in names and name != "_remote_handles":
             close = difflib.get_close_matches(name, sorted(names), n=1)
             hint = f" Did you mean `{close[0]}`?" if close else " See `lightning_mp.SMPConfig` for the fields."

@@ -19,6 +19,7 @@ from lightning_mp.pipeline._microbatch import (
     split_batch,
     split_microbatches,
 )
+from lightning_mp.pipeline._rng import global_generators, get_rng_states, same_rng_states, set_rng_states
 from lightning_mp.pipeline._timeline import TimelineEvent
 
 __all__ = [
@@ -30,8 +31,12 @@ __all__ = [
     "RemoteValue",
     "TimelineEvent",
     "current_task",
+    "get_rng_states",
+    "global_generators",
     "materialize",
     "merge_microbatches",
+    "same_rng_states",
+    "set_rng_states",
     "split_batch",
     "split_microbatches",
 ]

@@ -169,12 +169,15 @@ class PipelineEngine:
             self.gradients.register(p for p in model.parameters() if p is not None)
 
     def report_gradients(
-        self, params: Iterable[nn.Parameter], on_accumulated: Callable[[nn.Parameter, int], None]
+        self,
+        params: Iterable[nn.Parameter],
+        on_accumulated: Callable[[nn.Parameter, int], None],
+        wanted: Callable[[], bool] = lambda: True,
     ) -> None:
         """Tell the gradients' owner, after each accumulation into a parameter's ``.grad``, how many microbatches (from
-        0 on) are summed into it: ``on_accumulated(param, summed)`` (see ``OrderedGradients.report``). Call after
-        :meth:`order_gradients`."""
-        self.gradients.report(params, on_accumulated)
+        0 on) are summed into it: ``on_accumulated(param, summed)``, while ``wanted()`` (see
+        ``OrderedGradients.report``). Call after :meth:`order_gradients`."""
+        self.gradients.report(params, on_accumulated, wanted)
 
     # ---- sessions --------------------------------------------------------------------------------------------
 

@@ -50,8 +50,14 @@ class OrderedGradients:
             param.register_hook(self._incoming(param))
             param.register_post_accumulate_grad_hook(self._accumulated)
 
-    def report(self, params: Iterable[nn.Parameter], on_accumulated: Callable[[nn.Parameter, int], None]) -> None:
-        """After every accumulation into a parameter's ``.grad``, call ``on_accumulated(param, summed)``.
+    def report(
+        self,
+        params: Iterable[nn.Parameter],
+        on_accumulated: Callable[[nn.Parameter, int], None],
+        wanted: Callable[[], bool] = lambda: True,
+    ) -> None:
+        """After every accumulation into a parameter's ``.grad``, call ``on_accumulated(param, summed)`` while
+        ``wanted()`` (checked first, so the count costs nothing while the listener is idle).
 
         ``summed``: how many microbatches, from 0 on, are all in ``param.grad`` (nothing of them kept aside). For a
         parameter ordered here it is the ordered prefix; for any other (one stage: microbatches run one after the
@@ -59,7 +65,7 @@ class OrderedGradients:
         accelerator's autograd thread). Register after :meth:`register`, so the ordering hook runs first.
         """
         for param in params:
-            param.register_post_accumulate_grad_hook(lambda p: on_accumulated(p, self._summed(p)))
+            param.register_post_accumulate_grad_hook(lambda p: on_accumulated(p, self._summed(p)) if wanted() else None)
 
     def _summed(self, param: nn.Parameter) -> int:
         with self._lock:

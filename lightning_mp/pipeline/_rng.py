@@ -30,7 +30,14 @@ from collections.abc import Hashable
 import torch
 from torch import nn
 
-__all__ = ["MicrobatchRNG", "draws_no_random_numbers"]
+__all__ = [
+    "MicrobatchRNG",
+    "draws_no_random_numbers",
+    "get_rng_states",
+    "global_generators",
+    "same_rng_states",
+    "set_rng_states",
+]
 
 # [Note: calls that draw no random numbers] A keyed call costs a save, a seed and a restore of the generators'
 # states (about 25 us on a loaded 2-core CPU: at pp=1 the ten keyed calls of a 4-block MLP step were ~5% of the
@@ -87,7 +94,7 @@ def draws_no_random_numbers(module: nn.Module) -> bool:
     )
 
 
-def _generators() -> list[torch.Generator]:
+def global_generators() -> list[torch.Generator]:
     """The CPU generator, and the current CUDA device's if CUDA is in use."""
     generators = [torch.default_generator]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -95,16 +102,16 @@ def _generators() -> list[torch.Generator]:
     return generators
 
 
-def _get_states() -> list[torch.Tensor]:
-    return [g.get_state() for g in _generators()]
+def get_rng_states() -> list[torch.Tensor]:
+    return [g.get_state() for g in global_generators()]
 
 
-def _same_states(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+def same_rng_states(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def _set_states(states: list[torch.Tensor]) -> None:
-    for generator, state in zip(_generators(), states):
+def set_rng_states(states: list[torch.Tensor]) -> None:
+    for generator, state in zip(global_generators(), states):
         generator.set_state(state)
 
 
@@ -133,7 +140,7 @@ class MicrobatchRNG:
 
     def start_step(self, step: Hashable) -> None:
         """Begin a step named ``step`` (the same name on every rank and every layout); saves the outside state."""
-        self._outside = _get_states()
+        self._outside = get_rng_states()
         self._step = step
         self._counts = {}
         self._forward_calls = {}
@@ -142,7 +149,7 @@ class MicrobatchRNG:
     def end_step(self) -> None:
         """Give the global generators back the state they had before the step."""
         if self._outside is not None:
-            _set_states(self._outside)
+            set_rng_states(self._outside)
         self._step, self._outside = None, None
 
     def _seed_for(self, microbatch: int, name: str, count: int) -> int:
@@ -162,11 +169,11 @@ class MicrobatchRNG:
                 self._forward_calls.setdefault((microbatch, name), []).append((caller, count))
             elif caller is not None:
                 calls = self._forward_calls.get((microbatch, name), [])
-                match = next((i for i, (states, _) in enumerate(calls) if _same_states(states, caller)), None)
+                match = next((i for i, (states, _) in enumerate(calls) if same_rng_states(states, caller)), None)
                 if match is not None:
                     count = calls.pop(match)[1]
         seed = self._seed_for(microbatch, name, count)
-        for generator in _generators():
+        for generator in global_generators():
             generator.manual_seed(seed)
 
     # ---- module calls ----------------------------------------------------------------------------------------
@@ -181,7 +188,7 @@ class MicrobatchRNG:
         n-th recomputed call draws what the n-th forward call drew.
         """
         stack = self._stack()
-        caller = _get_states()
+        caller = get_rng_states()
         stack.append(caller)
         self._seed_stream(microbatch, name, recompute, caller)
 
@@ -189,7 +196,7 @@ class MicrobatchRNG:
         """The keyed call returned: the caller's stream continues where it was."""
         stack = self._stack()
         if stack:
-            _set_states(stack.pop())
+            set_rng_states(stack.pop())
 
     def _stack(self) -> list[list[torch.Tensor]]:
         stack = getattr(self._local, "stack", None)
@@ -202,7 +209,7 @@ class MicrobatchRNG:
     def suspend(self, task: Hashable) -> None:
         """The thread running ``task`` gives the compute token up: remember where its stream is."""
         if self.active:
-            self._saved()[task] = _get_states()
+            self._saved()[task] = get_rng_states()
 
     def resume(self, task: Hashable, microbatch: int, name: str) -> None:
         """The thread running ``task`` holds the token again: continue its stream, or start it as ``name``."""
@@ -210,7 +217,7 @@ class MicrobatchRNG:
             return
         states = self._saved().pop(task, None)
         if states is not None:
-            _set_states(states)
+            set_rng_states(states)
         else:
             self._seed_stream(microbatch, name)
 

@@ -22,7 +22,7 @@ the loss close to one process's for many steps while a small parameter drifts, s
 3. *Tensor parallel* (``tp`` group, only parameters marked ``allreduce_grad``): a replicated parameter that runs
    on sharded activations (per-head q/k norms, LayerNorms under sequence parallelism) holds on each tp rank the
    gradient of its shard's share of the loss: a *partial* gradient, so it is **summed** (transformers'
-   ``replicated_with_grad_allreduce``; [Note: partial gradients] in ``tp/_hf.py``); averaging would divide it by
+   ``replicated_with_grad_allreduce``; [Note: partial gradients] in ``nn/_hf.py``); averaging would divide it by
    tp. Every built-in module marks ``"sum"``; ``"mean"`` (offered by ``parameter_creation_scope``) averages, for a
    parameter whose gradient on each tp rank is already a full one. Sharded parameters own their slice's full
    gradient and unmarked replicated ones hold equal full gradients on every tp rank: neither is reduced.
@@ -108,7 +108,7 @@ class StepGradients:
                 previous=self._stash.previous,
                 launch_in_hooks=launch_in_hooks,
             )
-            engine.report_gradients(self.reducer.bucketed_params, self.reducer.accumulated)
+            engine.report_gradients(self.reducer.bucketed_params, self.reducer.accumulated, lambda: self.reducer.armed)
         self._armed = False
         self._final = False  # this optimizer step's gradients are reduced (steps 3 to 5 ran)
 

@@ -185,6 +185,11 @@ class GradientReducer:
         self._launched = 0
         self._surprises = 0
 
+    @property
+    def armed(self) -> bool:
+        """Whether this batch's gradients are to go out in buckets (between :meth:`arm` and the step's end)."""
+        return self._armed
+
     def accumulated(self, param: nn.Parameter, summed: int) -> None:
         """A gradient was accumulated into ``param.grad`` (a gradient hook): ``summed`` microbatches, from 0 on, are in
         it. Marks ``param`` ready once all of the armed step's are, and launches the buckets that are complete."""

@@ -83,6 +83,10 @@ class StepRunner:
         self._engine, self._module, self._num_stages = engine, module, num_stages
         self._log_sync_group = log_sync_group
 
+    def detach(self) -> None:
+        """Let go of the engine, the module and the log group (at exit, see ``SMPStrategy._release_process_groups``)."""
+        self._engine, self._module, self._log_sync_group = None, None, None
+
     def run(
         self, hook: str, context: Callable[[], Any], args: tuple, kwargs: dict, loss_scale: LossScale | None = None
     ) -> StepSummary:

@@ -4,7 +4,8 @@
 saved in the checkpoint a run resumes from; or a trace on global rank 0, broadcast, see ``_placement.py``);
 :func:`install_stage` checks the plan's tied weights, swaps this stage's modules for tensor-parallel ones, hands
 the stage to the pipeline engine, materialises delayed parameters and builds the tied-weight copies.
-:func:`check_supported` and :func:`build_engine` are the checks and the engine that come before.
+:func:`check_supported` is the check that comes before; :func:`launch_runtime` (every process group, in one order,
+and the engine over them, through :func:`build_engine`) runs once per process at launch.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from lightning_mp.tp import ParallelGroups
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["build_engine", "check_supported", "choose_plan", "install_stage"]
+__all__ = ["build_engine", "check_supported", "choose_plan", "install_stage", "launch_runtime"]
 
 
 def check_supported(module: Any, config: SMPConfig, fitting: bool) -> None:

@@ -273,6 +273,7 @@ class SMPStrategy(ParallelStrategy):
 
     def _release_process_groups(self) -> None:
         """Drop every object that holds a process group (at exit, after they were destroyed)."""
+        self._runner.detach()
         self._engine = None
         self._gradients = None
         self._process_groups = None

@@ -64,7 +64,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
-from lightning_mp.pipeline._rng import _generators, _get_states, _same_states, _set_states
+from lightning_mp.pipeline import global_generators, get_rng_states, same_rng_states, set_rng_states
 from lightning_mp.tp._sharding import TPGroup, shard_spec
 
 __all__ = [
@@ -229,9 +229,9 @@ def _draw_full(func, args: tuple, kwargs: dict, dim: int, region: ShardedRandomR
         if func._schema.name.endswith("_"):  # in place: fill the local tensor
             return local.copy_(keep(full))
         return keep(out).contiguous()
-    before = _get_states()  # e.g. a fused attention kernel: seeded, but draws only with dropout_p > 0
+    before = get_rng_states()  # e.g. a fused attention kernel: seeded, but draws only with dropout_p > 0
     out = func(*args, **kwargs)
-    if _same_states(before, _get_states()):
+    if same_rng_states(before, get_rng_states()):
         return out
     raise ValueError(
         f"{func} in tensor-parallel region {region.name!r} drew random numbers inside a kernel or from the values of"
@@ -249,13 +249,13 @@ def _draw_per_rank(func, args: tuple, kwargs: dict, region: ShardedRandomRegion)
     """
     (number,) = torch.randint(1 << 62, (1,)).tolist()
     seed = (number * 1_000_003 + region.tp.rank) & ((1 << 63) - 1)
-    shared = _get_states()
-    for generator in _generators():
+    shared = get_rng_states()
+    for generator in global_generators():
         generator.manual_seed(seed)
     try:
         return func(*args, **kwargs)
     finally:
-        _set_states(shared)
+        set_rng_states(shared)
 
 
 def _push(region: ShardedRandomRegion, can_draw: bool = True) -> _RegionCall:

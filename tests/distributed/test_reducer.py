@@ -46,7 +46,7 @@ def _steps(rank: int, world: int, bucketed: bool, microbatches: int, accumulate:
         launch_in_hooks=launch_in_hooks,
     ) if bucketed else None
     if reducer is not None:  # as the engine reports accumulations at one stage (``PipelineEngine.report_gradients``)
-        OrderedGradients(lambda: current[0]).report(reducer.bucketed_params, reducer.accumulated)
+        OrderedGradients(lambda: current[0]).report(reducer.bucketed_params, reducer.accumulated, lambda: reducer.armed)
     generator = torch.Generator().manual_seed(100 + rank)
     results, fell_back, in_backward = [], [], []
     for window in range(2):

@@ -214,8 +214,8 @@ def test_strategy_takes_fields_or_a_config_and_names_unknown_fields():
     assert strategy.config == dataclasses.replace(config, non_split_inputs=("t",), _remote_handles=True)
     with pytest.raises(TypeError, match="unexpected argument `microbatch`. Did you mean `microbatches`"):
         SMPStrategy(microbatch=2)
-    with pytest.raises(TypeError, match="`remote_handles` is no longer an argument"):
-        SMPStrategy(remote_handles=False)
+    with pytest.warns(DeprecationWarning, match=r"`SMPStrategy\(remote_handles=...\)` is deprecated"):
+        assert SMPStrategy(remote_handles=False).config._remote_handles is False
     with pytest.raises(ValueError, match="`start_method` must be 'popen', 'spawn' or 'fork', got 'forkserver'"):
         SMPStrategy(start_method="forkserver")
     with pytest.raises(ValueError, match="`replan_on_resume` must be True or False, got 'yes'"):
