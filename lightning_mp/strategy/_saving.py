@@ -2,9 +2,9 @@
 
 A save records the layout (plan, mesh shape, tied names, Hugging Face info) under ``PLAN_KEY``, then writes either
 a DCP folder (``save_distributed_checkpoint=True``: every rank its own part) or one full Lightning file
-(``False``: ZeRO-1 shards merged over dp, tp shards gathered into full tensors, the stages of replica 0 sending
-their parts to global rank 0). A load reads a file as a full checkpoint and a folder as DCP shards, whatever the
-save's layout was.
+(``False``: ZeRO-1 shards merged over dp, ``sharded_data_parallel_degree`` shards all-gathered, tp shards gathered
+into full tensors, the stages of replica 0 sending their parts to global rank 0). A load reads a file as a full
+checkpoint and a folder as DCP shards, whatever the save's layout was.
 """
 
 from __future__ import annotations
@@ -77,6 +77,8 @@ def save(
     if distributed:
         _checkpoint.save_checkpoint(checkpoint, path, is_global_zero, names, model)
         return
+    checkpoint["state_dict"] = _checkpoint.full_tensors(checkpoint["state_dict"])  # sdp: every dp rank gathers
+    checkpoint["optimizer_states"] = [_checkpoint.full_tensors(s) for s in checkpoint.get("optimizer_states", [])]
     torch_optimizers = [unwrap_optimizer(o) for o in optimizers]
     if any(local_optimizer(o) is not o for o in torch_optimizers):  # ZeRO-1: each dp rank holds a share
         group = mesh.get_group(MeshAxis.DP.value)

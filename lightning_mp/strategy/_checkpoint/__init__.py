@@ -15,9 +15,11 @@ layout as Lightning's ``ModelParallelStrategy`` with ``save_distributed_checkpoi
 
 Modules: ``_folder`` (a DCP folder: save, commit, load, key checks), ``_state`` (this rank's model and flattened
 optimizer state under original FQNs), ``_sharding`` (tensor-parallel shards as pieces of the full tensor),
+``_dtensors`` (parameters sharded over data-parallel ranks: [Note: sharded data parallelism in checkpoints]),
 ``_full`` (one full Lightning file), ``_weights`` (initial weights from a plain state dict or an HF folder).
 """
 
+from lightning_mp.strategy._checkpoint._dtensors import full_tensors
 from lightning_mp.strategy._checkpoint._folder import (
     METADATA_FILENAME,
     PARTIAL_SUFFIX,
@@ -46,6 +48,7 @@ __all__ = [
     "CheckpointMismatchError",
     "consolidate_checkpoint",
     "full_param_groups",
+    "full_tensors",
     "gather_sharded_optimizer_states",
     "gather_tp_shards",
     "is_complete_checkpoint",

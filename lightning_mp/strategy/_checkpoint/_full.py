@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_mp.strategy._checkpoint._dtensors import like_local
 from lightning_mp.strategy._checkpoint._sharding import _own_slices, _shardings
 from lightning_mp.strategy._checkpoint._state import _originals, _split_flat_key
 
@@ -166,13 +167,13 @@ def load_full_checkpoint(
     full_groups = [full_param_groups([stage[i] for stage in stages], param_order) for i in range(len(optimizers))]
     checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
     saved = checkpoint.pop("state_dict")
-    local_keys = model.state_dict().keys()
+    local = model.state_dict()
     names = names or {}
     saved = {**{k: saved[o] for k, o in names.items() if k not in saved and o in saved}, **saved}  # tied: one name
-    missing = sorted(k for k in local_keys if k not in saved)
+    missing = sorted(k for k in local if k not in saved)
     if missing and strict:
         raise RuntimeError(f"{path} has no entry for {missing[:5]} of this model; pass a checkpoint of this model.")
-    model.load_state_dict({k: saved[k] for k in local_keys if k in saved}, strict=False)
+    model.load_state_dict({k: like_local(saved[k], v) for k, v in local.items() if k in saved}, strict=False)
     for index, (optimizer, fqn_groups) in enumerate(zip(local_optimizers, full_groups)):
         optimizer_states = checkpoint.get("optimizer_states", [])
         if index >= len(optimizer_states):
@@ -204,7 +205,8 @@ def _load_native_optimizer_state(
         for p in group["params"]:
             saved_id = id_of[names[id(p)]]
             if saved_id in native["state"]:
-                local["state"][next_index] = _own_slices(native["state"][saved_id], p, shardings.get(id(p)))
+                own = _own_slices(native["state"][saved_id], p, shardings.get(id(p)))
+                local["state"][next_index] = {k: like_local(v, p) for k, v in own.items()}  # sdp: this rank's rows
             indices.append(next_index)
             next_index += 1
         local["param_groups"].append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": indices})

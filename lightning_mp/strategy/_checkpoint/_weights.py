@@ -12,6 +12,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
+from lightning_mp.strategy._checkpoint._dtensors import like_local
 from lightning_mp.strategy._checkpoint._folder import CheckpointMismatchError
 from lightning_mp.strategy._checkpoint._sharding import _shardings
 from lightning_mp.strategy._checkpoint._state import model_state_dict
@@ -22,7 +23,8 @@ __all__ = ["load_weights"]
 
 def load_weights(path: str | Path, model: nn.Module, names: Mapping[str, str], *, strict: bool) -> None:
     """Initialise this rank's part of ``model`` from whole weights at ``path`` (see ``SMPStrategy(load_weights=)``):
-    each tensor-parallel parameter keeps its slice of the full tensor (the distributed modules' load hook).
+    each tensor-parallel parameter keeps its slice of the full tensor (the distributed modules' load hook), each
+    parameter sharded over data-parallel ranks its rows (see [Note: sharded data parallelism in checkpoints]).
 
     Raises:
         CheckpointMismatchError: with ``strict``, if ``path`` lacks a parameter or buffer of this stage; the same
@@ -67,5 +69,5 @@ def load_weights(path: str | Path, model: nn.Module, names: Mapping[str, str], *
             )
         rank_zero_warn(message + "; they keep their initial values (strict_loading=False).")
     with torch.no_grad():
-        model.load_state_dict({k: saved[k] for k in local if k in saved}, strict=False)
+        model.load_state_dict({k: like_local(saved[k], v) for k, v in local.items() if k in saved}, strict=False)
     rank_zero_info(f"lightning_mp: initial weights loaded from {path}")
