@@ -18,7 +18,8 @@ A separate one-process column counts the bytes of the tensors autograd saves for
 without allocator noise. With ``--budget-mb`` the script also runs the eager one-process build and the pp=4
 delayed-init fit under a measured per-rank cap (``RssCap``: resident memory sampled every 5 ms, the rank ends
 when it passes its start + budget; ``RLIMIT_AS`` fails at thread creation long before) and reports whether
-each built and trained.
+each built and trained. With ``--budget-pp2-mb`` it runs pp=2 x dp=2 with replicas, with ZeRO-1 and with
+``sharded_data_parallel_degree=2`` (AdamW, delayed init) under one cap.
 
 Workers run with ``SMPStrategy(release_host_memory=True)`` (``--host-memory default`` keeps glibc's dynamic mmap
 threshold, under which freed tensors stay resident in the engine threads' malloc arenas and every rank shows
@@ -62,6 +63,7 @@ class Setting:
     checkpointing: bool = False
     offloading: bool = False
     sharding: bool = False
+    sdp: int = 1  # sharded_data_parallel_degree
 
 
 SETTINGS = [
@@ -77,8 +79,12 @@ SETTINGS = [
     Setting("eager", 1, dp=2),
     Setting("delayed+shard", 1, dp=2, delayed=True, sharding=True),
     Setting("delayed+ckpt+offload+shard", 2, dp=2, delayed=True, checkpointing=True, offloading=True, sharding=True),
+    Setting("delayed", 2, dp=2, delayed=True),
+    Setting("delayed+shard", 2, dp=2, delayed=True, sharding=True),
+    Setting("delayed+sdp", 2, dp=2, delayed=True, sdp=2),
 ]
 BUDGET_EAGER, BUDGET_DELAYED = 6, 7  # the pp=4 eager and delayed settings
+BUDGET_PP2 = (12, 13, 14)  # pp=2 x dp=2: replicas, ZeRO-1, sharded data parallelism
 
 
 def _status(key: str) -> int:
@@ -211,10 +217,11 @@ def run_setting(setting: Setting, args: argparse.Namespace, extra_callbacks=(), 
             callbacks.append(lightning_mp.ActivationCheckpointing(["examples.gpt.Block"]))
         if setting.offloading:
             callbacks.append(lightning_mp.ActivationOffloading(horizon=4))
+        sdp = {"sharded_data_parallel_degree": setting.sdp} if setting.sdp > 1 else {}
         strategy = lightning_mp.SMPStrategy(
             pipeline_parallel_degree=setting.pp, microbatches=args.microbatches, start_method="fork",
             delayed_parameter_initialization=setting.delayed, shard_optimizer_state=setting.sharding,
-            release_host_memory=args.host_memory == "release",
+            release_host_memory=args.host_memory == "release", **sdp,
         )
         trainer = L.Trainer(
             accelerator="cpu", devices=setting.pp * setting.dp, strategy=strategy, max_steps=args.steps, logger=False,
@@ -305,6 +312,25 @@ def budget_demo(args: argparse.Namespace) -> list[str]:
     return lines
 
 
+def budget_pp2_demo(args: argparse.Namespace) -> list[str]:
+    """pp=2 x dp=2 under one per-rank cap (AdamW): replicas (each rank its stage's parameters, gradients and
+    both moments), ZeRO-1 (half the moments) and ``sharded_data_parallel_degree=2`` (parameters, gradients and
+    moments sharded between steps); a cap between the last two separates them."""
+    demo = ["--n-layer", str(args.budget_n_layer), "--n-embd", str(args.budget_n_embd)]
+    with torch.device("meta"):
+        model = GPT(256, args.block_size, args.budget_n_layer, 8, args.budget_n_embd)
+        total = sum(p.numel() * 4 for p in model.parameters())
+    lines = [f"| (model: n_layer={args.budget_n_layer}, n_embd={args.budget_n_embd}, {_mib(total)} MiB of parameters,"
+             f" {_mib(total / 2)} MiB per stage; AdamW) | | |"]
+    for index in BUDGET_PP2:
+        rows = _run_worker(index, [*demo, "--cap-mb", str(args.budget_pp2_mb)], args)
+        result = "FAILED (a rank passed the cap)" if rows is None else "trained; per-rank peak " + ", ".join(
+            _mib(max(r["step_peaks"])) for r in rows
+        ) + " MiB"
+        lines.append(f"| {SETTINGS[index].name}, pp=2 x dp=2 | {args.budget_pp2_mb} MiB per rank | {result} |")
+    return lines
+
+
 def _run_worker(index: int, extra: list[str], args: argparse.Namespace) -> list[dict] | None:
     """Run one setting in a fresh interpreter (forked ranks then inherit no heap of earlier runs)."""
     base = ["--block-size", str(args.block_size), "--batch", str(args.batch), "--microbatches", str(args.microbatches)]
@@ -353,6 +379,10 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--only", default=None, help="comma-separated indices into the settings list")
     parser.add_argument("--budget-mb", type=int, default=0, help="also run pp=4 eager and delayed under this cap (650)")
+    parser.add_argument(
+        "--budget-pp2-mb", type=int, default=0,
+        help="also run pp=2 x dp=2 replicas, ZeRO-1 and sharded data parallelism under this cap",
+    )
     parser.add_argument("--budget-n-layer", type=int, default=16)
     parser.add_argument("--budget-n-embd", type=int, default=1024)
     parser.add_argument(
@@ -387,8 +417,8 @@ def main() -> None:
             print(f"| {setting.name} | {setting.pp} | {setting.dp} | failed, see stderr |")
             continue
         for rank, row in enumerate(rows):
-            shard = setting.dp if setting.sharding else 1
-            ideal = total / setting.pp + 2 * total / (setting.pp * shard)
+            shard = setting.dp if setting.sharding else setting.sdp
+            ideal = total / (setting.pp * setting.sdp) + 2 * total / (setting.pp * shard)
             print(
                 f"| {setting.name} | {setting.pp} | {setting.dp} | {rank} | {_mib(row['setup_peak'])} |"
                 f" {_mib(row['own_params'])} | {row['setup_peak'] / max(1, row['own_params']):.2f} |"
@@ -400,6 +430,9 @@ def main() -> None:
     if args.budget_mb:
         print("\n| run | measured cap (resident memory above the rank's start) | result |\n|---|---|---|")
         print("\n".join(budget_demo(args)))
+    if args.budget_pp2_mb:
+        print("\n| run | measured cap (resident memory above the rank's start) | result |\n|---|---|---|")
+        print("\n".join(budget_pp2_demo(args)))
     plain, ckpt = saved_activation_bytes(args, False), saved_activation_bytes(args, True)
     print(f"\nsaved activations of one microbatch, one process: {_mib(plain)} MiB without checkpointing,"
           f" {_mib(ckpt)} MiB with every Block checkpointed ({ckpt / plain:.2f}x)")

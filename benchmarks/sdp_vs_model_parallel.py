@@ -161,7 +161,8 @@ def _run(name: str, layout: dict, args: argparse.Namespace, out_dir: str) -> Non
                     json.dump(result, f)
 
     if layout["strategy"] == "mp":
-        strategy = L.pytorch.strategies.ModelParallelStrategy(data_parallel_size=layout["world"], tensor_parallel_size=1)
+        world = layout["world"]
+        strategy = L.pytorch.strategies.ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
     else:
         options = {"sharded_data_parallel_degree": layout["sdp"]} if layout.get("sdp", 1) > 1 else {}
         if layout.get("zero1"):
@@ -210,7 +211,8 @@ def _table(configs: dict, results: dict[str, list[list[dict]]], args: argparse.N
     print(f"\nexample GPT n_layer={args.n_layer} n_embd={args.n_embd} vocab={args.vocab} T={T}, global batch"
           f" {args.batch}, AdamW; medians over {args.rounds} alternating rounds of {args.steps} steps")
     print("| configuration | ranks | step (ms) | step / peer | param+grad+optim MiB per rank (max) | / unsharded"
-          " | all-gathers/step | reduce-scatters/step | all-reduces/step | broadcasts/step | MiB gathered+scattered/step |")
+          " | all-gathers/step | reduce-scatters/step | all-reduces/step | broadcasts/step"
+          " | MiB gathered+scattered/step |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, layout in configs.items():
         time_peer, mem_peer = peer(name)
