@@ -13,11 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins import TorchCheckpointIO
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import Shard as ShardPlacement
 
 from lightning_mp.strategy._checkpoint import (
     full_tensors,
@@ -29,7 +31,11 @@ from lightning_mp.strategy._checkpoint import (
     save_checkpoint,
     save_full_checkpoint,
 )
+from lightning_mp.strategy._checkpoint._sharding import _as_pieces, _chunk_rows, _quiet_sharded_tensor, _Sharding
+from lightning_mp.strategy._shards import piece_chunks
+from lightning_mp.tp import shard
 from tests._dist import run_distributed
+from tests.distributed.test_checkpoint_pieces import SPECS, _full
 
 STEPS, BATCH, WIDTH = 2, 8, 6
 
@@ -198,3 +204,44 @@ def test_load_weights_lands_in_the_shards():
         for key, value in whole.items():
             assert torch.equal(result["state"][key], value), key
             assert torch.equal(result["local"][key], value.chunk(2)[rank]), key  # this rank's rows only
+
+
+def _tp_sdp(rank: int, world: int, whole_path: str, path: str) -> dict[str, bool]:
+    """tp=2 x sdp=2 (ranks as the topology places them: tp inner): each spec's tp shard sharded over dp as FSDP2
+    does, read from the whole tensors' folder (each rank its rows of its tp piece), then saved as pieces."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp_rank = mesh.get_local_rank("tp")
+    state, expected = {}, {}
+    for name, (spec, _) in SPECS.items():
+        tp_local = shard(_full(name), spec, tp_rank, 2)
+        sharding = _Sharding(spec, tp_rank, 2, mesh.get_group("tp"))
+        value = distribute_tensor(torch.zeros_like(tp_local), mesh["dp"], [ShardPlacement(0)], src_data_rank=None)
+        state[name] = _as_pieces({name: value}, {name: sharding})[name]
+        expected[name] = (value, distribute_tensor(tp_local, mesh["dp"], [ShardPlacement(0)], src_data_rank=None))
+    with _quiet_sharded_tensor():
+        dcp.load({"m": state}, checkpoint_id=whole_path)
+        ok = {}
+        for name, (spec, _) in SPECS.items():
+            got, want = (t.to_local() for t in expected[name])
+            if spec.padded:  # rows past the vocabulary belong to no one and stay as they were (zero)
+                want = want.clone()
+                start, rows = _chunk_rows(shard(_full(name), spec, tp_rank, 2).size(0), 2, mesh.get_local_rank("dp"))
+                length = sum(n for _, _, n in piece_chunks(spec, tp_rank, 2))
+                want[max(0, length - start) :] = 0
+            ok[name] = torch.equal(got, want)
+        dcp.save({"m": state}, checkpoint_id=path)
+    return ok
+
+
+def test_tp_shards_sharded_over_dp_move_to_whole_and_back():
+    """The four tp shard kinds (plain, fused q/k/v blocks, padded vocabulary, column split) under tp=2 x sdp=2:
+    read from whole tensors and written back as pieces that one process reads whole."""
+    with tempfile.TemporaryDirectory() as tmp:
+        whole_path, path = str(Path(tmp) / "whole"), str(Path(tmp) / "pieces")
+        dcp.save({"m": {n: _full(n) for n in SPECS}}, checkpoint_id=whole_path, no_dist=True)
+        results = run_distributed(_tp_sdp, 4, whole_path, path, start_method="fork")
+        assert all(all(r.values()) for r in results), results
+        whole = {n: torch.zeros(shape) for n, (_, shape) in SPECS.items()}
+        dcp.load({"m": whole}, checkpoint_id=path, no_dist=True)
+    for name in SPECS:
+        assert torch.equal(whole[name], _full(name)), name

@@ -5,10 +5,12 @@ checkpoints: each is a ``DTensor`` of the full logical shape whose local tensor 
 ``fully_shard``-ed module and ``get_optimizer_state_dict`` give ``DTensor`` parameters and Adam moments under the
 original FQNs with their full shapes, DCP writes each rank's shard with its offsets (replicas of HSDP once) and
 reads into a ``DTensor`` exactly this rank's rows, so a folder saved at sdp=2 loads at sdp=1, pp=2 or tp=2 and the
-other way, as torch's own ``set_model_state_dict`` does for FSDP2. Full tensors are needed where a plain file is
-involved: a full Lightning file (``save_distributed_checkpoint=False``) is written from ``DTensor.full_tensor()``
-(an all-gather over the shard group, every rank of it calls it), and a full file or whole weights
-(``load_weights``) are read by cutting each full tensor to this rank's shard locally
+other way, as torch's own ``set_model_state_dict`` does for FSDP2. A tensor-parallel shard sharded again over dp
+(tp x sdp) is a ``DTensor`` of the shard's shape; it is saved as the pieces of the full tensor where its tp blocks
+meet this rank's rows (``_sharding._dp_sharded_view``), so tp x sdp moves to any layout too. Full tensors are
+needed where a plain file is involved: a full Lightning file (``save_distributed_checkpoint=False``) is written
+from ``DTensor.full_tensor()`` (an all-gather over the shard group, every rank of it calls it), and a full file or
+whole weights (``load_weights``) are read by cutting each full tensor to this rank's shard locally
 (``distribute_tensor(..., src_data_rank=None)``: no communication, every rank read the whole file).
 """
 
