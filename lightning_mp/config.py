@@ -149,6 +149,14 @@ class SMPConfig:
     """ZeRO-1 (SMP's ``shard_optimizer_state``): each data-parallel rank keeps and steps 1/dp of its stage's
     optimizer state (``torch.distributed.optim.ZeroRedundancyOptimizer``); checkpoints save the shards through DCP."""
 
+    sharded_data_parallel_degree: int = 1
+    """Sharded data parallelism (SMP's ``sharded_data_parallel_degree``; 1: off): each stage's parameters, gradients
+    and optimizer state are sharded over this many of its data-parallel ranks with torch's FSDP2
+    (``torch.distributed.fsdp.fully_shard``); below the data-parallel degree, groups of that many ranks shard and
+    the groups replicate each other (HSDP). Must divide ``dp = world_size / (pp * tp)``; excludes
+    ``shard_optimizer_state`` (FSDP shards the optimizer state already). See ``[Note: sharded stages]`` in
+    ``lightning_mp/strategy/_fsdp.py``."""
+
     release_host_memory: bool = False
     """On glibc Linux, fix malloc's mmap threshold at 128 KiB in every rank (``mallopt``, as the
     ``MALLOC_MMAP_THRESHOLD_`` environment variable does), so freed CPU tensors leave the resident set at once
@@ -197,7 +205,8 @@ class SMPConfig:
     engine before handles). The results are the same either way."""
 
     def __post_init__(self) -> None:
-        for name in ("pipeline_parallel_degree", "tensor_parallel_degree", "microbatches"):
+        degrees = ("pipeline_parallel_degree", "tensor_parallel_degree", "microbatches", "sharded_data_parallel_degree")
+        for name in degrees:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
@@ -239,6 +248,12 @@ class SMPConfig:
             )
         if self.timeout.total_seconds() <= 0:
             raise ValueError(f"`timeout` must be positive, got {self.timeout}.")
+        if self.sharded_data_parallel_degree > 1 and self.shard_optimizer_state:
+            raise ValueError(
+                f"shard_optimizer_state=True (ZeRO-1) cannot be combined with sharded_data_parallel_degree="
+                f"{self.sharded_data_parallel_degree}: FSDP already shards the optimizer state with the parameters."
+                " Drop shard_optimizer_state, or set sharded_data_parallel_degree=1."
+            )
 
     def _check_non_split_inputs(self) -> None:
         names = self.non_split_inputs

@@ -17,6 +17,9 @@ of them are named as torchtitan's ``ParallelDims`` names its axes and flattened 
 * ``pp``: the stages of one pipeline (one replica, one tp rank).
 * ``tp``: the tensor-parallel ranks of one stage of one replica.
 * ``dp_tp``: the ranks of one stage over every replica and tp rank (``dp x tp`` of that stage).
+* ``dp_shard`` and ``dp_replicate``: under sharded data parallelism the ``dp`` axis unflattened into
+  ``(dp_replicate, dp_shard)``, shard groups of ``sharded_data_parallel_degree`` neighbouring replicas
+  (``dp_rank = dp_replicate_rank * sdp + dp_shard_rank``), as torchtitan's axes of the same names (FSDP2's HSDP mesh).
 
 SMP's group helpers (``lightning_mp.dp_rank(groups)``, ``CommGroup``) keep SMP's own names, which differ: SMP's
 ``DP`` group is our ``dp_tp`` and SMP's ``RDP`` ("reduced" data parallel) is our ``dp``. So with tp > 1,
@@ -37,6 +40,10 @@ every group, member or not, in one order. This module is the only place that cre
 2. at launch, once the data plane is chosen from the ``host`` facts: ``pair`` groups (:func:`build_pair_groups`);
 3. at setup, once the partition plan is known: ``tie`` groups, per replicated parameter in the plan's order
    (:func:`build_tie_groups`).
+
+Under HSDP (``1 < sharded_data_parallel_degree < dp``) step 1 ends with the ``dp`` axis unflattened into
+``(dp_replicate, dp_shard)`` (``DeviceMesh._unflatten``: one group per line of each, ``DP_REPLICATE`` then
+``DP_SHARD``), FSDP2's 2-D mesh; with ``sharded_data_parallel_degree == dp`` FSDP2 shards over the ``dp`` axis.
 
 :func:`plan_process_groups` lists step 1 as pure data, without any process group.
 """
@@ -92,6 +99,8 @@ class GroupName(str, Enum):
     HOST = "host"
     ORDER = "order"
     REDUCER = "reducer"
+    DP_REPLICATE = "dp_replicate"
+    DP_SHARD = "dp_shard"
     PAIR = "pair"
     TIE = "tie"
 
@@ -107,6 +116,7 @@ class Topology:
         tensor_parallel_degree: tp, ranks per tensor-parallel group.
         placement_strategy: which axis gets neighbouring ranks: ``"cluster"`` (= ``"DPT"``, tp neighbours),
             ``"spread"`` (= ``"TPD"``, replicas neighbours) or a permutation of ``D``, ``P``, ``T``, outermost first.
+        sharded_data_parallel_degree: the ``dp_shard`` size (see [Note: axis vocabulary]); divides dp.
     """
 
     world_size: int
@@ -114,6 +124,7 @@ class Topology:
     pipeline_parallel_degree: int = 1
     tensor_parallel_degree: int = 1
     placement_strategy: str = "cluster"
+    sharded_data_parallel_degree: int = 1
 
     def __post_init__(self) -> None:
         order = _PLACEMENTS.get(self.placement_strategy, self.placement_strategy)
@@ -132,6 +143,18 @@ class Topology:
             )
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"Rank {self.rank} is outside the world of size {self.world_size}.")
+        sdp, dp = self.sharded_data_parallel_degree, self.data_parallel_degree
+        if sdp < 1 or dp % sdp != 0:
+            raise ValueError(
+                f"sharded_data_parallel_degree={sdp} does not divide the data-parallel degree {dp} (world size"
+                f" {self.world_size} / (pipeline_parallel_degree {self.pipeline_parallel_degree} x"
+                f" tensor_parallel_degree {self.tensor_parallel_degree})). Use a divisor of {dp}, e.g. {dp}."
+            )
+
+    @property
+    def dp_replicate_degree(self) -> int:
+        """How many groups of ``sharded_data_parallel_degree`` ranks replicate each other (HSDP; 1: plain FSDP)."""
+        return self.data_parallel_degree // self.sharded_data_parallel_degree
 
     @property
     def data_parallel_degree(self) -> int:
@@ -260,6 +283,16 @@ def plan_process_groups(topology: Topology, options: GroupOptions = GroupOptions
         specs += [GroupSpec(GroupName.ORDER, ranks, "gloo") for ranks in stages]
     if options.reducer and len(dps) > 1:
         specs += [GroupSpec(GroupName.REDUCER, tuple(at(d, p, t) for d in dps)) for p in pps for t in tps]
+    shard, replicate = topology.sharded_data_parallel_degree, topology.dp_replicate_degree
+    if shard > 1 and replicate > 1:  # HSDP: the mesh's dp axis unflattened
+        specs += [
+            GroupSpec(GroupName.DP_REPLICATE, tuple(at(r * shard + s, p, t) for r in range(replicate)))
+            for p in pps for t in tps for s in range(shard)
+        ]
+        specs += [
+            GroupSpec(GroupName.DP_SHARD, tuple(at(r * shard + s, p, t) for s in range(shard)))
+            for p in pps for t in tps for r in range(replicate)
+        ]
     return specs
 
 
@@ -275,6 +308,8 @@ class ProcessGroups:
         host: the world over gloo, when the data plane must learn which stages share a GPU; else ``None``.
         order: the gloo group of this stage's ``dp_tp`` ranks, with deterministic grant order; else ``None``.
         reducer: this stage and tp rank's replicas, for the bucketed gradient all-reduce; else ``None``.
+        shard_mesh: under sharded data parallelism, the mesh FSDP2 shards this stage (and tp rank) over: the 1-D
+            ``dp`` axis, or the 2-D ``(dp_replicate, dp_shard)`` one for HSDP; else ``None``.
     """
 
     topology: Topology
@@ -284,6 +319,7 @@ class ProcessGroups:
     host: dist.ProcessGroup | None = None
     order: dist.ProcessGroup | None = None
     reducer: dist.ProcessGroup | None = None
+    shard_mesh: DeviceMesh | None = None
 
     @property
     def dp(self) -> dist.ProcessGroup:
@@ -322,8 +358,8 @@ def build_process_groups(
     mesh = build_device_mesh(topology, device_type, timeout)
     own: dict[GroupName, dist.ProcessGroup] = {}
     for spec in plan_process_groups(topology, options):
-        if spec.name in (GroupName.DP, GroupName.PP, GroupName.TP):
-            continue  # the mesh made them
+        if spec.name in (GroupName.DP, GroupName.PP, GroupName.TP, GroupName.DP_REPLICATE, GroupName.DP_SHARD):
+            continue  # the mesh made them (the last two below)
         group = dist.new_group(list(spec.ranks), timeout=timeout, backend=spec.backend)
         if topology.rank in spec.ranks:
             own[spec.name] = group
@@ -335,7 +371,23 @@ def build_process_groups(
         host=own.get(GroupName.HOST),
         order=own.get(GroupName.ORDER),
         reducer=own.get(GroupName.REDUCER),
+        shard_mesh=_shard_mesh(mesh, topology, device_type, timeout),
     )
+
+
+def _shard_mesh(mesh: DeviceMesh, topology: Topology, device_type: str, timeout: timedelta | None) -> DeviceMesh | None:
+    """FSDP2's mesh of this rank (see ``ProcessGroups.shard_mesh``), the last groups of step 1 of [Note: process group
+    order]; ``None`` without sharded data parallelism."""
+    shard, replicate = topology.sharded_data_parallel_degree, topology.dp_replicate_degree
+    if shard == 1:
+        return None
+    dp_mesh = mesh[MeshAxis.DP.value]
+    if replicate == 1:
+        return dp_mesh
+    names = (GroupName.DP_REPLICATE.value, GroupName.DP_SHARD.value)
+    options = _group_options(device_type, timeout)
+    override = {name: options for name in names} if options is not None else None
+    return dp_mesh._unflatten(0, (replicate, shard), names, backend_override=override)
 
 
 def build_pair_groups(pipelines: Sequence[Sequence[int]], backend: str, timeout: timedelta | None = None) -> PairGroups:

@@ -16,7 +16,7 @@ class RecordTraining(L.Callback):
 
     The saved dict holds ``losses`` (the loss each training step returned); with ``logged``, ``logged`` (the logged
     ``train_loss`` after each step); with ``weights="params"``, ``params`` (this rank's parameters, detached
-    copies); with ``weights="state"``, ``state`` (the state dict: full tensors under tp, a collective, so every rank
+    copies, an FSDP shard gathered whole); with ``weights="state"``, ``state`` (the state dict: full tensors under tp, a collective, so every rank
     records); with ``metrics``, ``metrics`` (the final ``callback_metrics`` as floats). A subclass adds entries
     through :meth:`on_step` (after each step's loss) and :meth:`extra` (at the end).
     """
@@ -46,13 +46,20 @@ class RecordTraining(L.Callback):
         if self.logged is not None:
             record["logged"] = self.logged
         if self.weights == "params":
-            record["params"] = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+            record["params"] = {n: _whole(p) for n, p in pl_module.named_parameters()}
         else:
             record["state"] = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
         if self.metrics:
             record["metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
         record.update(self.extra(trainer, pl_module))
         torch.save(record, os.path.join(self.out_dir, f"{trainer.global_rank}.pt"))
+
+
+def _whole(param: torch.Tensor) -> torch.Tensor:
+    """A detached copy of ``param``; of an FSDP shard (a DTensor), the whole tensor (a collective over its mesh)."""
+    from torch.distributed.tensor import DTensor
+
+    return param.full_tensor().detach().clone() if isinstance(param, DTensor) else param.detach().clone()
 
 
 def fit_and_collect(

@@ -51,8 +51,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_mp.strategy._fsdp import ShardedStage, local_tensor
 from lightning_mp.strategy._reducer import GradientReducer
 from lightning_mp.strategy._tied import TiedWeights
 from lightning_mp.topology import ProcessGroups
@@ -83,6 +85,8 @@ class StepGradients:
         device: where the gradient norm is reduced.
         launch_in_hooks: see :class:`~lightning_mp.strategy._reducer.GradientReducer`; ``None``: yes, except on a
             GPU with several stages (the hooks would run on engine threads beside the NCCL data plane's).
+        sharded: this stage under FSDP2 (``sharded_data_parallel_degree > 1``): step 4 of [Note: a step's
+            reductions] is then its reduce-scatter (see [Note: sharded stages] in ``_fsdp.py``); else ``None``.
     """
 
     def __init__(
@@ -93,10 +97,12 @@ class StepGradients:
         engine: PipelineEngine,
         device: torch.device,
         launch_in_hooks: bool | None = None,
+        sharded: ShardedStage | None = None,
     ) -> None:
         if launch_in_hooks is None:
             launch_in_hooks = device.type != "cuda" or groups.topology.pipeline_parallel_degree == 1
         self._model, self._groups, self._tied, self._device = model, groups, tied, device
+        self._sharded = sharded
         self._stash = GradientStash()
         self.reducer: GradientReducer | None = None
         """The bucketed dp all-reduce (see [Note: overlapped gradient all-reduce]), or ``None``."""
@@ -117,6 +123,13 @@ class StepGradients:
         """Whether an optimizer step reduces gradients across ranks (dp > 1, tp > 1 or replicated tied weights)."""
         topology = self._groups.topology
         return topology.data_parallel_degree > 1 or topology.tensor_parallel_degree > 1 or self._tied.active
+
+    def step_parameters(self) -> list[nn.Parameter]:
+        """The parameters a training batch computes with and accumulates into: this stage's, gathered first under
+        sharded data parallelism (they stay gathered until :meth:`finish` reduce-scatters)."""
+        if self._sharded is not None:
+            self._sharded.gather()
+        return list(self._model.parameters())
 
     def begin(
         self, params: Iterable[nn.Parameter], *, first_in_window: bool, last_in_window: bool, microbatches: int
@@ -155,7 +168,9 @@ class StepGradients:
         params = list(self._model.parameters())
         if topology.tensor_parallel_degree > 1:
             reduce_replicated_grads(params, self._groups.tp)
-        if topology.data_parallel_degree > 1:
+        if self._sharded is not None:  # FSDP's reduce-scatter (and HSDP all-reduce): the shards' average
+            self._sharded.reduce_scatter()
+        elif topology.data_parallel_degree > 1:
             if self.reducer is None or not self.reducer.finish():  # not bucketed during backward: now
                 all_reduce_gradients(params, self._groups.dp, topology.data_parallel_degree)
         self._tied.reduce_gradients()  # after the dp average, so every copy gets the same bits (_tied.py)
@@ -179,7 +194,13 @@ class StepGradients:
         """``gradient_clip_algorithm="norm"`` with the whole model's norm (step 6 of [Note: a step's reductions])."""
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         total = global_grad_norm(self._tied.counted_once(params), self._groups, self._device)
-        torch.nn.utils.clip_grads_with_norm_(params, clip_val, total.to(params[0].dtype if params else torch.float32))
+        total = total.to(params[0].dtype if params else torch.float32)
+        if self._sharded is None:
+            torch.nn.utils.clip_grads_with_norm_(params, clip_val, total)
+            return
+        coefficient = torch.clamp(clip_val / (total + 1e-6), max=1.0)  # clip_grads_with_norm_'s, on the shards
+        for p in params:
+            local_tensor(p.grad).mul_(coefficient)
 
 
 class GradientStash:
@@ -255,10 +276,16 @@ def all_reduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup, s
 def global_grad_norm(params: list[nn.Parameter], groups: ProcessGroups, device: torch.device) -> torch.Tensor:
     """The 2-norm of the whole model's gradient, each logical parameter counted once (step 6 of [Note: a step's
     reductions]); ``params`` without the tied copies counted elsewhere. A 0-dim float64 tensor on ``device``."""
-    squares = torch.zeros(2, dtype=torch.float64, device=device)  # (sharded, replicated)
+    squares = torch.zeros(2, dtype=torch.float64, device=device)  # (tp-sharded, tp-replicated)
+    shards = torch.zeros(2, dtype=torch.float64, device=device)  # the same, of FSDP's DTensor shards
     for p in params:
         if p.grad is not None:
-            squares[0 if shard_spec(p) is not None else 1] += p.grad.detach().to(torch.float64).pow(2).sum()
+            grad = p.grad.detach()
+            target = shards if isinstance(grad, DTensor) else squares
+            target[0 if shard_spec(p) is not None else 1] += local_tensor(grad).to(torch.float64).pow(2).sum()
+    if groups.shard_mesh is not None:  # the squares of one dp_shard group's shards add up to the whole's
+        dist.all_reduce(shards, group=groups.shard_mesh.get_group(groups.shard_mesh.ndim - 1))
+        squares += shards
     tp_size = dist.get_world_size(groups.tp)
     if tp_size > 1:
         dist.all_reduce(squares, group=groups.tp)

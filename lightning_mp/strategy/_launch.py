@@ -128,6 +128,14 @@ class _Spawn(SpawnLauncher):
             _set_rng_states(self._parent_generators)
         super()._wrapping_function(*args, **kwargs)
 
+    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
+        """Lightning's (every rank computes the state dict), FSDP shards gathered whole for the main process."""
+        sharded = self._strategy._sharded
+        if sharded is None:
+            return super()._collect_rank_zero_results(trainer, results)
+        with sharded.whole_state_dicts():
+            return super()._collect_rank_zero_results(trainer, results)
+
 
 def apply_thread_policy(num_processes: int) -> None:
     """``ddp``'s policy: ``cpu_count // num_processes`` intra-op threads unless ``OMP_NUM_THREADS`` is set.

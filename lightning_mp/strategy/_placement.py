@@ -90,8 +90,9 @@ def make_plan(
         manual={**manual_placements(module), **config.partition},  # the strategy's map wins for one FQN
         auto_partition=config.auto_partition,
         default_partition=config.default_partition,
-        # tie groups are not built over tensor-parallel shards yet: "auto" colocates there (see SMPConfig.tied_weights)
-        tied_weights=config.tied_weights if config.tensor_parallel_degree == 1 else "colocate",
+        # tie groups are not built over tensor-parallel or FSDP shards yet: "auto" colocates there (SMPConfig.tied_weights)
+        tied_weights=config.tied_weights if config.tensor_parallel_degree == config.sharded_data_parallel_degree == 1
+        else "colocate",
     )
     if trainer.state.fn == TrainerFn.FITTING:
         _check_every_stage_has_parameters(stages, model_trace)

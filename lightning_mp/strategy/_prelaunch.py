@@ -34,12 +34,16 @@ def check_before_launch(
         function: the ``Trainer`` entry point (``_fit_impl``, ...), called with ``args`` and ``kwargs``.
 
     Raises:
-        ValueError: if ``world_size`` is not a multiple of ``pipeline_parallel_degree x tensor_parallel_degree``,
+        ValueError: if ``world_size`` is not a multiple of ``pipeline_parallel_degree x tensor_parallel_degree``
+            (or its data-parallel degree of ``sharded_data_parallel_degree``),
             the batch size known now does not divide into ``microbatches``, or ``partition_plan`` is unreadable or
             has another number of stages.
         FileNotFoundError: if ``partition_plan`` holds no plan.
     """
-    Topology(world_size, 0, config.pipeline_parallel_degree, config.tensor_parallel_degree, config.placement_strategy)
+    Topology(
+        world_size, 0, config.pipeline_parallel_degree, config.tensor_parallel_degree, config.placement_strategy,
+        config.sharded_data_parallel_degree,
+    )
     known = _known_batch_size(function, args, kwargs)
     if known is not None and known[1] % config.microbatches:
         where, size = known

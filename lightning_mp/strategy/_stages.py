@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +25,7 @@ from lightning_mp.partition import ModelTrace, PartitionPlan, manual_placements
 from lightning_mp.pipeline import PipelineEngine
 from lightning_mp.strategy import _tp
 from lightning_mp.strategy._delayed import is_delayed, materialize_stage, meta_trace_inputs
+from lightning_mp.strategy._fsdp import ShardedStage, shard_stage
 from lightning_mp.strategy._launch import resolve_resume_path
 from lightning_mp.strategy._placement import (
     _FETCH,
@@ -40,12 +41,11 @@ from lightning_mp.strategy._placement import (
 from lightning_mp.strategy._tied import TiedWeights, build_tied_weights, replicated_stages
 from lightning_mp.strategy._transport import build_order_transport, build_pipeline_transport, group_options
 from lightning_mp.topology import ProcessGroups, Topology, build_process_groups
-from lightning_mp.tp import ParallelGroups
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["build_engine", "check_supported", "choose_plan", "install_stage", "launch_runtime"]
+__all__ = ["InstalledStage", "build_engine", "check_supported", "choose_plan", "install_stage", "launch_runtime"]
 
 
 def check_supported(module: Any, config: SMPConfig, fitting: bool) -> None:
@@ -66,6 +66,12 @@ def check_supported(module: Any, config: SMPConfig, fitting: bool) -> None:
             f"tied_weights='replicate' with tensor_parallel_degree={config.tensor_parallel_degree} is not"
             " supported yet (tie groups over tensor-parallel shards are not built). Use tied_weights='colocate' or"
             " 'auto' (which co-locates under tensor parallelism)."
+        )
+    if config.sharded_data_parallel_degree > 1 and config.tied_weights == "replicate":
+        raise ValueError(
+            f"tied_weights='replicate' with sharded_data_parallel_degree={config.sharded_data_parallel_degree} is"
+            " not supported yet (a copy's gradient would have to be summed before FSDP's reduce-scatter). Use"
+            " tied_weights='colocate' or 'auto' (which co-locates under sharded data parallelism)."
         )
     if fitting and not module.automatic_optimization:
         raise ValueError(
@@ -177,20 +183,34 @@ def _trace_and_plan(
         return err
 
 
+@dataclass(frozen=True)
+class InstalledStage:
+    """What :func:`install_stage` leaves on this rank.
+
+    Attributes:
+        plan: the plan with its replicated tied parameters recorded.
+        tied: this rank's tied-weight copies (``_tied.py``).
+        sharded: the stage under FSDP2 (``sharded_data_parallel_degree > 1``, see ``_fsdp.py``), else ``None``.
+    """
+
+    plan: PartitionPlan
+    tied: TiedWeights
+    sharded: ShardedStage | None = None
+
+
 def install_stage(
     module: torch.nn.Module,
     plan: PartitionPlan,
     engine: PipelineEngine,
-    groups: ParallelGroups,
+    groups: ProcessGroups,
     topology: Topology,
     config: SMPConfig,
     device: torch.device,
     names: dict[str, str],
-) -> tuple[PartitionPlan, TiedWeights]:
-    """Keep this rank's stage of ``module`` (its tp shards under tensor parallelism) and hand it to ``engine``.
-
-    Returns:
-        The plan with its replicated tied parameters recorded, and this rank's tied-weight copies (``_tied.py``).
+) -> InstalledStage:
+    """Keep this rank's stage of ``module`` (its tp shards under tensor parallelism) and hand it to ``engine``;
+    under sharded data parallelism, shard it over ``groups.shard_mesh`` last (see [Note: sharded stages] in
+    ``_fsdp.py``).
 
     Raises:
         ValueError: the plan splits a tie that ``tied_weights`` or tensor parallelism cannot replicate.
@@ -205,7 +225,7 @@ def install_stage(
                 " replicated."
             )
         stage_of, _ = _tp.apply_tensor_parallelism(
-            module, groups, stage_of, topology.pp_rank, topology.rank, optimize=config.optimize,
+            module, groups.smp_groups(), stage_of, topology.pp_rank, topology.rank, optimize=config.optimize,
             random_streams=config.tp_random_streams,
         )
     engine.install(module, stage_of, plan.ordered_state)
@@ -215,18 +235,25 @@ def install_stage(
         trim_host_memory()  # what the build, the trace and the replay freed
     tied = build_tied_weights(module, plan, names, topology, config.timeout)
     tied.broadcast_copies()  # see [Note: replicated tied weights] in _tied.py
+    sharded = None
+    if groups.shard_mesh is not None:  # the engine's gradient hooks go on the gathered parameters, see _fsdp.py
+        sharded = shard_stage(module, groups.shard_mesh, stage_of, topology.pp_rank)
     engine.order_gradients(module)
-    return plan, tied
+    if sharded is not None:
+        sharded.reshard()  # configure_optimizers sees the shards
+    return InstalledStage(plan, tied, sharded)
 
 
 def check_ties(plan: PartitionPlan, module: torch.nn.Module, config: SMPConfig) -> PartitionPlan:
     """The plan with its replicated parameters as its placement implies (a plan saved before they were recorded
     gets them); an error if it splits a tie under ``tied_weights="colocate"`` or tensor parallelism."""
     replicated = replicated_stages(module, plan.stage_of)
-    if replicated and config.tensor_parallel_degree > 1:
+    if replicated and (config.tensor_parallel_degree > 1 or config.sharded_data_parallel_degree > 1):
         raise ValueError(
             f"The partition plan places modules that share a parameter on different stages ({replicated}), which"
-            " is not supported with tensor_parallel_degree > 1 yet. Use a plan that keeps tied modules together."
+            f" is not supported with tensor_parallel_degree={config.tensor_parallel_degree} or"
+            f" sharded_data_parallel_degree={config.sharded_data_parallel_degree} above 1 yet. Use a plan that"
+            " keeps tied modules together."
         )
     if replicated and config.tied_weights == "colocate":
         raise ValueError(

@@ -46,6 +46,7 @@ from lightning_mp.strategy._delayed import is_delayed, kept_on_meta
 from lightning_mp.strategy._exit import release_at_exit
 from lightning_mp.strategy._launch import make_launcher, prepare_process
 from lightning_mp.strategy._precision import install_synced_scaler
+from lightning_mp.strategy._fsdp import ShardedStage
 from lightning_mp.strategy._gradients import StepGradients
 from lightning_mp.strategy._prelaunch import check_before_launch
 from lightning_mp.strategy._replicas import seed_workers_by_replica, share_generators, sync_initial_states
@@ -116,6 +117,7 @@ class SMPStrategy(ParallelStrategy):
         self._param_order: list[str] | None = None  # the whole model's parameter FQNs, before placement
         self._param_names: dict[str, str] = {}  # other names of shared parameters -> original FQN (see _tied.py)
         self._tied = TiedWeights([])
+        self._sharded: ShardedStage | None = None  # this stage under FSDP2 (sharded_data_parallel_degree > 1)
         self._resume_path: str | Path | None = None  # set by the launcher (see `resume_path_of` in _launch.py)
         self.num_nodes = 1
         self._topology: Topology | None = None
@@ -240,6 +242,7 @@ class SMPStrategy(ParallelStrategy):
             self.config.pipeline_parallel_degree,
             self.config.tensor_parallel_degree,
             self.config.placement_strategy,
+            self.config.sharded_data_parallel_degree,
         )
         if self._topology.data_parallel_degree > 1:  # see [Note: generators at launch] in _replicas.py
             reset_seed()
@@ -305,10 +308,11 @@ class SMPStrategy(ParallelStrategy):
                 lambda batch: self.precision_plugin.convert_input(self.batch_to_device(batch)),
                 self.precision_plugin.forward_context,
             )
-            self._plan, self._tied = install_stage(  # keep this rank's stage
-                self.lightning_module, plan, self._engine, self.groups, self.topology, self.config, self.root_device,
-                self._param_names,
+            stage = install_stage(  # keep this rank's stage
+                self.lightning_module, plan, self._engine, self._process_groups, self.topology, self.config,
+                self.root_device, self._param_names,
             )
+            self._plan, self._tied, self._sharded = stage.plan, stage.tied, stage.sharded
         if self.config.load_weights is not None:
             _checkpoint.load_weights(
                 self.config.load_weights, self.lightning_module, self._param_names,
@@ -316,13 +320,13 @@ class SMPStrategy(ParallelStrategy):
             )
         if self._gradients is None:  # the one owner of a step's gradients: see [Note: a step's reductions]
             self._gradients = StepGradients(
-                self.model, self._process_groups, self._tied, self._engine, self.root_device
+                self.model, self._process_groups, self._tied, self._engine, self.root_device, sharded=self._sharded
             )
         dp_group = whole_model_views(trainer, self.lightning_module, self.topology, self.device_mesh, self._param_names)
         self._runner.attach(self._engine, self.lightning_module, self.topology.pipeline_parallel_degree, dp_group)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            if self.config.pipeline_parallel_degree > 1 or self.config.tensor_parallel_degree > 1:
+            if self._topology.mesh_shape[1:] != (1, 1) or self._sharded is not None:
                 self.precision_plugin.clip_grad_by_norm = self._gradients.clip  # the whole model's norm
         self.setup_precision_plugin()
         install_synced_scaler(self.precision_plugin, _group.WORLD)  # see [Note: GradScaler over stages]
@@ -350,25 +354,33 @@ class SMPStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self._gradients is not None
         summary = self._runner.train(
-            self.lightning_module.trainer, self._gradients, list(self.model.parameters()), self.precision_plugin, args,
-            kwargs,
+            self.lightning_module.trainer, self._gradients, self._gradients.step_parameters(), self.precision_plugin,
+            args, kwargs,
         )
         return move_data_to_device(summary.output, self.root_device)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._gather()
         summary = self._runner.run("validation_step", self.precision_plugin.val_step_context, args, kwargs)
         return move_data_to_device(summary.output, self.root_device)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._gather()
         summary = self._runner.run("test_step", self.precision_plugin.test_step_context, args, kwargs)
         return move_data_to_device(summary.output, self.root_device)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._gather()
         summary = self._runner.run("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
         return move_data_to_device(summary.output, self.root_device)
+
+    def _gather(self) -> None:
+        """Under sharded data parallelism, gather the stage's parameters before an evaluation step (``_fsdp.py``)."""
+        if self._sharded is not None:
+            self._sharded.gather()
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:

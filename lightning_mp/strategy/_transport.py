@@ -37,7 +37,7 @@ def group_options(topology: Topology, config: SMPConfig, device: torch.device) -
     return GroupOptions(
         host=config.data_plane != "gloo" and device.type == "cuda" and topology.pipeline_parallel_degree > 1,
         order=config.effective_deterministic_order,
-        reducer=topology.tensor_parallel_degree == 1,
+        reducer=topology.tensor_parallel_degree == 1 and topology.sharded_data_parallel_degree == 1,
     )
 
 

@@ -1,0 +1,164 @@
+"""Sharded data parallelism: this rank's stage sharded over its data-parallel ranks with torch's FSDP2.
+
+[Note: sharded stages] Under ``sharded_data_parallel_degree > 1`` (SMP's name), :func:`shard_stage` wraps this
+rank's stage with ``torch.distributed.fsdp.fully_shard`` over ``ProcessGroups.shard_mesh`` (the ``dp`` axis, or
+``(dp_replicate, dp_shard)`` for HSDP: shard inside a group, all-reduce across groups). Parameters, gradients and
+optimizer state are then DTensor shards between steps; the optimizer from ``configure_optimizers`` steps the shards.
+
+*Wrapping unit* (as torchtitan's ``apply_fsdp``): each block (a module with parameters held by an ``nn.ModuleList``
+or ``nn.Sequential``, the transformer layers of a model) and each partitioned subtree (a module whose parent runs on
+another stage) is its own FSDP unit, the deepest first, and the root (the LightningModule: embeddings, final norm,
+head, whatever no unit holds) last. One unit per block is what lets FSDP gather, reduce-scatter and free one block's
+flat buffer at a time, and keeps the root's share small; a tied parameter shared by two modules outside blocks stays
+with the root, one parameter in one unit (co-located ties; ``tied_weights="replicate"`` is refused with it).
+
+*Who drives the collectives.* FSDP's own module hooks gather before each forward and reduce-scatter after each
+backward, assuming one thread that runs one forward and then its backward. The pipeline engine runs microbatches on
+several threads, serves calls from other stages, and replays checkpointed forwards inside backward; so the hooks are
+removed and the step owner calls FSDP's collectives itself, as torch's pipelining schedules do (``UNSHARD`` /
+``RESHARD`` actions and ``perform_reduce_grad`` in ``torch.distributed.pipelining``): :meth:`ShardedStage.gather`
+all-gathers every unit once before a step (``FSDPModule.unshard``), the engine runs every microbatch on the whole
+parameters (its ordered accumulation and the gradient stash work on them as without sharding), and
+:meth:`ShardedStage.reduce_scatter` runs each unit's ``post_backward`` once per optimizer step with gradient sync
+on (reduce-scatter, for HSDP then all-reduce across replicas, averaged over ``dp``), and frees the gathered
+parameters. So a step costs one all-gather and one reduce-scatter per unit whatever the number of microbatches
+(torchtitan's ``reshard_after_forward=False`` for pipeline stages), at the price of the stage's whole parameters
+and gradients during the step (the sharded layout's saving holds between steps: optimizer state, master weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+__all__ = ["ShardedStage", "local_tensor", "shard_stage", "wrapping_units"]
+
+
+def wrapping_units(module: nn.Module, stage_of: Mapping[str, int], stage: int) -> list[str]:
+    """The FQNs of the FSDP units of ``module``'s local stage below its root, deepest first (see [Note: sharded
+    stages]): blocks (children of an ``nn.ModuleList``/``nn.Sequential`` holding parameters) and partitioned
+    subtrees (modules of ``stage`` whose parent runs on another stage), each with parameters on this rank."""
+    units = []
+    for fqn, child in module.named_modules():
+        if not fqn or not any(True for _ in child.parameters()):
+            continue
+        parent_fqn, _, _ = fqn.rpartition(".")
+        parent = module.get_submodule(parent_fqn)
+        subtree_root = stage_of.get(fqn, stage) == stage and stage_of.get(parent_fqn, stage) != stage
+        if isinstance(parent, (nn.ModuleList, nn.Sequential)) or subtree_root:
+            units.append(fqn)
+    return sorted(units, key=lambda fqn: -fqn.count("."))
+
+
+def shard_stage(module: nn.Module, mesh: DeviceMesh, stage_of: Mapping[str, int], stage: int) -> ShardedStage:
+    """Wrap this rank's stage of ``module`` with ``fully_shard`` over ``mesh``, units first, root last, and gather it.
+
+    Call once the stage's parameters are final (after the tensor-parallel swap, materialisation and the tied-weight
+    broadcast). Attributes set on a parameter (tensor-parallel shard specs and gradient rules) are copied to FSDP's
+    sharded and gathered parameters.
+
+    Args:
+        module: the LightningModule, every other stage's modules freed (``PipelineEngine.install``).
+        mesh: FSDP2's mesh (``ProcessGroups.shard_mesh``): 1-D, or 2-D ``(dp_replicate, dp_shard)`` for HSDP.
+        stage_of: module FQN -> stage (the plan's, after the tensor-parallel swap).
+        stage: this rank's stage.
+
+    Returns:
+        The sharded stage, gathered (its modules hold the whole parameters, ready for the engine's step).
+    """
+    attributes = {fqn: dict(vars(p)) for fqn, p in module.named_parameters() if vars(p)}
+    units = [module.get_submodule(fqn) for fqn in wrapping_units(module, stage_of, stage)]
+    for unit in [*units, module]:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=False)
+    module.set_reduce_scatter_unused_params(True)  # a gradient missing on one rank is zeros there, as under DDP
+    sharded = ShardedStage(module, attributes)
+    sharded.gather()
+    return sharded
+
+
+class ShardedStage:
+    """This rank's stage under ``fully_shard``, its collectives called by the step's owner (see [Note: sharded
+    stages]).
+
+    Args:
+        root: the LightningModule, wrapped by ``fully_shard`` last.
+        attributes: parameter FQN -> the attributes its parameter carried before sharding.
+    """
+
+    def __init__(self, root: nn.Module, attributes: dict[str, dict[str, Any]]) -> None:
+        assert isinstance(root, FSDPModule)
+        self.root = root
+        self._attributes = attributes
+        self._state = fully_shard.state(root)
+        self._state._lazy_init()  # the root and the units' shared state, as the root's first forward would
+        for state in self._state._state_ctx.all_states:  # the engine, not FSDP's hooks, decides (see the Note)
+            state._pre_forward_hook_handle.remove()
+            state._post_forward_hook_handle.remove()
+        self._copy_attributes()  # onto the sharded parameters
+
+    def gather(self) -> None:
+        """All-gather every unit's parameters (once per step; a no-op while gathered): the stage's modules then hold
+        the whole (tp-local) parameters, the ones the engine's step computes with and accumulates into."""
+        gathered = False
+        for state in self._state._state_ctx.all_states:
+            for group in state._fsdp_param_groups:
+                gathered |= not group.is_unsharded
+                group.lazy_init()
+                group.unshard()
+                group.wait_for_unshard()
+        if gathered:
+            self._copy_attributes()
+
+    def reshard(self) -> None:
+        """Free the gathered parameters: the modules hold the DTensor shards again (what ``configure_optimizers``
+        must see, and the layout between steps)."""
+        for state in self._state._state_ctx.all_states:
+            for group in state._fsdp_param_groups:
+                group.reshard()
+
+    def reduce_scatter(self) -> None:
+        """Reduce-scatter every unit's accumulated gradients into the shards' ``.grad`` (averaged over ``dp``; HSDP
+        all-reduces across replicas too) and free the gathered parameters: once per optimizer step, as
+        ``perform_reduce_grad`` of torch's pipelining stages. A parameter without gradient contributes zeros if any
+        rank has one."""
+        root = self.root
+        root.set_is_last_backward(True)
+        root.set_reshard_after_backward(True)
+        root.set_requires_gradient_sync(True)
+        for state in self._state._state_ctx.all_states:
+            for group in state._fsdp_param_groups:
+                group.post_backward()
+        self._state._root_post_backward_final_callback()
+
+    @contextmanager
+    def whole_state_dicts(self) -> Iterator[None]:
+        """Inside, the root's ``state_dict()`` holds whole tensors instead of FSDP's DTensor shards: a collective
+        over the shard mesh, for what every rank computes alike (the weights a spawn launcher hands back)."""
+
+        def gather_whole(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+            for key, value in state.items():
+                if isinstance(value, DTensor):
+                    state[key] = value.full_tensor()
+
+        handle = self.root._register_state_dict_hook(gather_whole)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    def _copy_attributes(self) -> None:
+        for fqn, param in self.root.named_parameters():
+            for name, value in self._attributes.get(fqn, {}).items():
+                setattr(param, name, value)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s local shard if it is a DTensor, else ``tensor``."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
