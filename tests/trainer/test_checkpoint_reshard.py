@@ -2,7 +2,8 @@
 the 3 steps after the resume give the losses and final parameters of the uninterrupted 6-step run on one process
 (a loader Lightning can resume mid-epoch, so the data goes on as in the uninterrupted run)
 (AdamW, float32 tolerance). Model and optimizer state are resharded on load: pp 1 -> 2, 2 -> 1, 2 -> 4;
-tp 1 -> 2, 2 -> 1; (pp2, tp2) <-> (pp1, tp1); dp 2 -> 1 with a sharded optimizer (ZeRO-1). The example GPT
+tp 1 -> 2, 2 -> 1; (pp2, tp2) <-> (pp1, tp1); dp 2 -> 1 with a sharded optimizer (ZeRO-1); sharded data
+parallelism (FSDP2, sdp2) -> dp1, pp2, tp2 and pp2, tp2 -> sdp2. The example GPT
 (fused q/k/v and a padded vocabulary under tp) and a transformers GPT-2 (Conv1D translation). Resuming at the
 same layout gives bitwise the per-step losses of the uninterrupted run at that layout."""
 
@@ -16,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_mp
-from tests._fit import fit_and_collect
+from tests._fit import _whole, fit_and_collect
 from tests.trainer.test_tp_trainer import GLOBAL_BATCH, STEPS, T, VOCAB, Record, TinyHF, TinyTPGPT
 
 
@@ -82,6 +83,14 @@ def _strategy(pp: int = 1, tp: int = 1, **kwargs):
     )
 
 
+class _Record(Record):
+    """``Record`` with the state dict's sharded-data-parallel shards (DTensors) gathered whole (a collective)."""
+
+    def extra(self, trainer, pl_module):
+        state = pl_module.state_dict()
+        return {**super().extra(trainer, pl_module), "state": {k: _whole(v) for k, v in state.items()}}
+
+
 def _fit(model_cls, out_dir, devices: int, strategy=None, steps: int = STEPS, ckpt_dir=None, ckpt_path=None):
     """Fit ``steps`` steps; returns each rank's record. ``ckpt_dir``: save ``last`` there every ``STEPS`` steps."""
     # before forking: one intra-op thread here and in the children (a forked child raised to more threads, as the
@@ -106,16 +115,22 @@ def _fit_in(model_cls, out_dir, devices, strategy, steps, ckpt_dir, ckpt_path):
             L.pytorch.callbacks.ModelCheckpoint(dirpath=str(ckpt_dir), save_last=True, every_n_train_steps=STEPS)
         )
     return fit_and_collect(
-        model_cls(), out_dir, devices=devices, strategy=strategy, max_steps=steps, record=Record(str(out_dir)),
+        model_cls(), out_dir, devices=devices, strategy=strategy, max_steps=steps, record=_Record(str(out_dir)),
         callbacks=callbacks, ckpt_path=str(ckpt_path) if ckpt_path else None, num_sanity_val_steps=0,
         limit_val_batches=0, use_distributed_sampler=False,
     )
 
 
-def _check(results, reference, what: str) -> None:
+def _check(results, reference, what: str, replicas: int = 1) -> None:
+    """``replicas`` > 1: the ranks are data-parallel replicas (pp = tp = 1), each recording the loss of its part of
+    the batch; their mean is the one-process loss."""
+    losses = [r["losses"] for r in results]
+    if replicas > 1:
+        assert replicas == len(results), "only replicas at pp = tp = 1"
+        losses = [torch.tensor(losses).mean(0).tolist()] * len(results)
     for rank, result in enumerate(results):
         torch.testing.assert_close(
-            result["losses"], reference["losses"][STEPS:], rtol=1e-5, atol=1e-6, msg=lambda m: f"{what} r{rank}: {m}"
+            losses[rank], reference["losses"][STEPS:], rtol=1e-5, atol=1e-6, msg=lambda m: f"{what} r{rank}: {m}"
         )
         assert result["state"], "every rank recorded its (full) parameters"
         for key, value in result["state"].items():
@@ -124,13 +139,15 @@ def _check(results, reference, what: str) -> None:
             )
 
 
+_SDP2 = {"sharded_data_parallel_degree": 2}
 # (saved at, resumed at), as (pp, tp, extra strategy kwargs, devices)
 _GPT_CASES = {
     "pp1tp1": ((1, 1, {}, 1), [(2, 1, {}, 2), (1, 2, {}, 2), (2, 2, {}, 4)]),
     "pp2tp2": ((2, 2, {}, 4), [(1, 1, {}, 1)]),
-    "tp2": ((1, 2, {}, 2), [(1, 1, {}, 1)]),
-    "pp2": ((2, 1, {}, 2), [(4, 1, {}, 4), (1, 1, {}, 1)]),
+    "tp2": ((1, 2, {}, 2), [(1, 1, {}, 1), (1, 1, _SDP2, 2)]),
+    "pp2": ((2, 1, {}, 2), [(4, 1, {}, 4), (1, 1, {}, 1), (1, 1, _SDP2, 2)]),
     "dp2-zero1": ((1, 1, {"shard_optimizer_state": True}, 2), [(1, 1, {}, 1)]),
+    "sdp2": ((1, 1, _SDP2, 2), [(1, 1, {}, 1), (2, 1, {}, 2), (1, 2, {}, 2)]),
 }
 
 
@@ -146,11 +163,11 @@ def test_gpt_resumes_at_other_layouts(tmp_path, gpt_reference, saved):
     _fit(_GPT, tmp_path / "first", devices, _strategy(pp, tp, **kwargs), ckpt_dir=ckpt)
     assert (ckpt / "last" / "meta.pt").is_file()
     for pp2, tp2, kwargs2, devices2 in targets:
-        name = f"pp{pp2}tp{tp2}"
+        name = f"pp{pp2}tp{tp2}" + "".join(f"-{k}{v}" for k, v in kwargs2.items())
         results = _fit(
             _GPT, tmp_path / name, devices2, _strategy(pp2, tp2, **kwargs2), steps=2 * STEPS, ckpt_path=ckpt / "last"
         )
-        _check(results, gpt_reference, f"{saved} -> {name}")
+        _check(results, gpt_reference, f"{saved} -> {name}", replicas=devices2 // (pp2 * tp2))
 
 
 def test_hf_gpt2_resumes_at_other_layouts(tmp_path):
@@ -176,11 +193,14 @@ def test_resume_at_the_same_layout_is_exact(tmp_path):
             assert torch.equal(part["state"][key], whole["state"][key]), key
 
 
-def test_full_file_at_tp2_is_one_devices_file_and_resumes(tmp_path, gpt_reference):
-    """``save_distributed_checkpoint=False`` at tp=2: the shards (fused q/k/v, padded vocabulary) and their Adam
-    state are gathered into the file one device writes; tp=2 resumes from that file as the uninterrupted run goes on."""
+@pytest.mark.parametrize(("tp", "kwargs"), [(2, {}), (1, _SDP2)], ids=["tp2", "sdp2"])
+def test_full_file_is_one_devices_file_and_resumes(tmp_path, gpt_reference, tp, kwargs):
+    """``save_distributed_checkpoint=False`` at tp=2 (and at sdp=2): the shards (fused q/k/v, padded vocabulary;
+    FSDP's rows) and their Adam state are gathered into the file one device writes; the same layout resumes from
+    that file as the uninterrupted run goes on."""
     _fit(_GPT, tmp_path / "ref", 1, ckpt_dir=tmp_path / "ck_ref")
-    _fit(_GPT, tmp_path / "tp2", 2, _strategy(1, 2, save_distributed_checkpoint=False), ckpt_dir=tmp_path / "ck")
+    layout = _strategy(1, tp, save_distributed_checkpoint=False, **kwargs)
+    _fit(_GPT, tmp_path / "first", 2, layout, ckpt_dir=tmp_path / "ck")
     got, expected = (torch.load(p / "last.ckpt", weights_only=False) for p in (tmp_path / "ck", tmp_path / "ck_ref"))
     assert got["global_step"] == expected["global_step"] == STEPS
     assert sorted(got["state_dict"]) == sorted(expected["state_dict"])
@@ -193,7 +213,7 @@ def test_full_file_at_tp2_is_one_devices_file_and_resumes(tmp_path, gpt_referenc
         for key, value in state.items():
             torch.testing.assert_close(got_optim["state"][index][key], value, rtol=1e-5, atol=1e-6, msg=f"{index}.{key}")
     results = _fit(
-        _GPT, tmp_path / "resumed", 2, _strategy(1, 2, save_distributed_checkpoint=False), steps=2 * STEPS,
+        _GPT, tmp_path / "resumed", 2, _strategy(1, tp, save_distributed_checkpoint=False, **kwargs), steps=2 * STEPS,
         ckpt_path=tmp_path / "ck" / "last.ckpt",
     )
-    _check(results, gpt_reference, "tp2 file -> tp2")
+    _check(results, gpt_reference, "file -> same layout", replicas=2 // tp)
