@@ -213,7 +213,6 @@ def test_full_file_is_one_devices_file_and_resumes(tmp_path, gpt_reference, tp, 
         for key, value in state.items():
             torch.testing.assert_close(got_optim["state"][index][key], value, rtol=1e-5, atol=1e-6, msg=f"{index}.{key}")
     results = _fit(
-        _GPT, tmp_path / "resumed", 2, _strategy(1, tp, save_distributed_checkpoint=False, **kwargs), steps=2 * STEPS,
-        ckpt_path=tmp_path / "ck" / "last.ckpt",
+        _GPT, tmp_path / "resumed", 2, layout, steps=2 * STEPS, ckpt_path=tmp_path / "ck" / "last.ckpt"
     )
     _check(results, gpt_reference, "file -> same layout", replicas=2 // tp)
