@@ -199,8 +199,8 @@ def test_full_file_is_one_devices_file_and_resumes(tmp_path, gpt_reference, tp, 
     FSDP's rows) and their Adam state are gathered into the file one device writes; the same layout resumes from
     that file as the uninterrupted run goes on."""
     _fit(_GPT, tmp_path / "ref", 1, ckpt_dir=tmp_path / "ck_ref")
-    layout = _strategy(1, tp, save_distributed_checkpoint=False, **kwargs)
-    _fit(_GPT, tmp_path / "first", 2, layout, ckpt_dir=tmp_path / "ck")
+    options = {"save_distributed_checkpoint": False, **kwargs}
+    _fit(_GPT, tmp_path / "first", 2, _strategy(1, tp, **options), ckpt_dir=tmp_path / "ck")
     got, expected = (torch.load(p / "last.ckpt", weights_only=False) for p in (tmp_path / "ck", tmp_path / "ck_ref"))
     assert got["global_step"] == expected["global_step"] == STEPS
     assert sorted(got["state_dict"]) == sorted(expected["state_dict"])
@@ -213,6 +213,6 @@ def test_full_file_is_one_devices_file_and_resumes(tmp_path, gpt_reference, tp, 
         for key, value in state.items():
             torch.testing.assert_close(got_optim["state"][index][key], value, rtol=1e-5, atol=1e-6, msg=f"{index}.{key}")
     results = _fit(
-        _GPT, tmp_path / "resumed", 2, layout, steps=2 * STEPS, ckpt_path=tmp_path / "ck" / "last.ckpt"
+        _GPT, tmp_path / "resumed", 2, _strategy(1, tp, **options), steps=2 * STEPS, ckpt_path=tmp_path / "ck" / "last.ckpt"
     )
     _check(results, gpt_reference, "file -> same layout", replicas=2 // tp)
