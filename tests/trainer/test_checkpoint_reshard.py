@@ -212,7 +212,6 @@ def test_full_file_is_one_devices_file_and_resumes(tmp_path, gpt_reference, tp, 
     for index, state in expected_optim["state"].items():
         for key, value in state.items():
             torch.testing.assert_close(got_optim["state"][index][key], value, rtol=1e-5, atol=1e-6, msg=f"{index}.{key}")
-    results = _fit(
-        _GPT, tmp_path / "resumed", 2, _strategy(1, tp, **options), steps=2 * STEPS, ckpt_path=tmp_path / "ck" / "last.ckpt"
-    )
+    file = tmp_path / "ck" / "last.ckpt"
+    results = _fit(_GPT, tmp_path / "resumed", 2, _strategy(1, tp, **options), steps=2 * STEPS, ckpt_path=file)
     _check(results, gpt_reference, "file -> same layout", replicas=2 // tp)
