@@ -17,7 +17,8 @@ rounds alternate the configurations so a shared machine loads all alike. Per con
   largest over ranks, and its ratio to the unsharded layout's (the goal at pp=1: <= 1.05 / dp);
 - collectives per step on rank 0 during the timed steps, counted by wrapping ``torch.distributed``'s functions
   (all-gathers, reduce-scatters, all-reduces, broadcasts: calls and MiB), at 2 and 4 microbatches for pp=2
-  (FSDP's gathers and reduce-scatters per step must not grow with the microbatches).
+  (FSDP's gathers and reduce-scatters per step must not grow with the microbatches). At pp=2 both layouts keep
+  the tied embedding and head on one stage (``tied_weights="colocate"``, which sharding requires).
 """
 
 from __future__ import annotations
@@ -167,6 +168,8 @@ def _run(name: str, layout: dict, args: argparse.Namespace, out_dir: str) -> Non
         options = {"sharded_data_parallel_degree": layout["sdp"]} if layout.get("sdp", 1) > 1 else {}
         if layout.get("zero1"):
             options["shard_optimizer_state"] = True
+        if layout.get("pp", 1) > 1:  # the tied embedding and head on one stage, as sharding requires: same plans
+            options["tied_weights"] = "colocate"
         strategy = lightning_mp.SMPStrategy(
             pipeline_parallel_degree=layout.get("pp", 1), microbatches=layout.get("microbatches", 1),
             start_method="fork", **options,
