@@ -100,8 +100,11 @@ def _reset_peak() -> None:
 
 
 def _storage_bytes(tensors) -> int:
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
     seen: dict[int, int] = {}
     for t in tensors:
+        t = t.to_local() if isinstance(t, DTensor) else t  # a sharded_data_parallel_degree shard: its own storage
         if t is not None and not t.is_meta:
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(seen.values())

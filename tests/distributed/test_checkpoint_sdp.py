@@ -1,8 +1,9 @@
 """Checkpoints of modules sharded over data-parallel ranks with FSDP2 (``fully_shard``: ``DTensor`` parameters and
 Adam moments), without a Trainer on gloo processes, through the strategy's checkpoint functions: a DCP folder saved
-at sdp=2 (and HSDP, 2 x 2) resumes on one process, one saved on one process resumes at sdp=2, a full file written
-from sdp=2 is one device's file and resumes at sdp=2, and whole weights (``load_weights``) land in the shards.
-Every resumed run's losses and final parameters are those of the uninterrupted one-process run (AdamW, float32)."""
+at sdp=2 (and HSDP, 2 x 2) resumes on one process and consolidates to the saved parameters, one saved on one
+process resumes at sdp=2, a full file written from sdp=2 is one device's file and resumes at sdp=2, whole weights
+(``load_weights``) land in the shards, and tp shards sharded again over dp (tp=2 x sdp=2) are read from and saved
+as pieces of their full tensors. Every resumed run's losses and final parameters are those of the uninterrupted one-process run (AdamW, float32)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from lightning_mp.strategy._checkpoint import (
     save_full_checkpoint,
 )
 from lightning_mp.strategy._checkpoint._sharding import _as_pieces, _chunk_rows, _quiet_sharded_tensor, _Sharding
+from lightning_mp.strategy._consolidate import consolidate
 from lightning_mp.strategy._shards import piece_chunks
 from lightning_mp.tp import shard
 from tests._dist import run_distributed
@@ -126,11 +128,18 @@ def reference() -> dict:
     ids=["sdp2->1", "1->sdp2", "hsdp2x2->sdp2"],
 )
 def test_folder_moves_between_sharded_and_unsharded(reference, saved, loaded):
+    """... and ``consolidate`` writes the saved run's whole parameters from the folder, as from any other."""
     with tempfile.TemporaryDirectory() as tmp:
         path = str(Path(tmp) / "ckpt")
         for mesh_shape, action in ((saved, "save"), (loaded, "load")):
             world = 1 if mesh_shape is None else math.prod(mesh_shape)
             results = run_distributed(_run, world, path, mesh_shape, action, start_method="fork")
+            if action == "save":
+                saved_state = results[0]["state"]
+        whole = torch.load(consolidate(path, Path(tmp) / "model.pt"), weights_only=True)
+    assert whole.keys() == saved_state.keys()
+    for key, value in saved_state.items():
+        assert torch.equal(whole[key], value), key
     for rank, result in enumerate(results):
         _check(result, reference, f"{saved}->{loaded} r{rank}")
 
