@@ -3,7 +3,8 @@ Adam moments), without a Trainer on gloo processes, through the strategy's check
 at sdp=2 (and HSDP, 2 x 2) resumes on one process and consolidates to the saved parameters, one saved on one
 process resumes at sdp=2, a full file written from sdp=2 is one device's file and resumes at sdp=2, whole weights
 (``load_weights``) land in the shards, and tp shards sharded again over dp (tp=2 x sdp=2) are read from and saved
-as pieces of their full tensors. Every resumed run's losses and final parameters are those of the uninterrupted one-process run (AdamW, float32)."""
+as pieces of their full tensors. Every resumed run's losses and final parameters are those of the uninterrupted
+one-process run (AdamW, float32)."""
 
 from __future__ import annotations
 
