@@ -106,15 +106,12 @@ class ShardedStage:
     def gather(self) -> None:
         """All-gather every unit's parameters (once per step; a no-op while gathered): the stage's modules then hold
         the whole (tp-local) parameters, the ones the engine's step computes with and accumulates into."""
-        gathered = False
         for state in self._state._state_ctx.all_states:
             for group in state._fsdp_param_groups:
-                gathered |= not group.is_unsharded
                 group.lazy_init()
                 group.unshard()
                 group.wait_for_unshard()
-        if gathered:
-            self._copy_attributes()
+        self._copy_attributes()
 
     def reshard(self) -> None:
         """Free the gathered parameters: the modules hold the DTensor shards again (what ``configure_optimizers``
@@ -147,6 +144,7 @@ class ShardedStage:
                 if isinstance(value, DTensor):
                     state[key] = value.full_tensor()
 
+        self._copy_attributes()  # Lightning's teardown moved the model (``_apply``: new parameter objects)
         handle = self.root._register_state_dict_hook(gather_whole)
         try:
             yield
@@ -154,6 +152,7 @@ class ShardedStage:
             handle.remove()
 
     def _copy_attributes(self) -> None:
+        """Onto the parameters the modules hold now (shards, or gathered ones; FSDP makes new objects of both)."""
         for fqn, param in self.root.named_parameters():
             for name, value in self._attributes.get(fqn, {}).items():
                 setattr(param, name, value)
