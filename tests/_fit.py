@@ -48,7 +48,7 @@ class RecordTraining(L.Callback):
         if self.weights == "params":
             record["params"] = {n: _whole(p) for n, p in pl_module.named_parameters()}
         else:
-            record["state"] = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+            record["state"] = {k: _whole(v) for k, v in pl_module.state_dict().items()}
         if self.metrics:
             record["metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
         record.update(self.extra(trainer, pl_module))
@@ -56,7 +56,7 @@ class RecordTraining(L.Callback):
 
 
 def _whole(param: torch.Tensor) -> torch.Tensor:
-    """A detached copy of ``param``; of an FSDP shard (a DTensor), the whole tensor (a collective over its mesh)."""
+    """A detached copy of ``param``; of an FSDP shard (a DTensor), the whole (a collective over its mesh)."""
     from torch.distributed.tensor import DTensor
 
     return param.full_tensor().detach().clone() if isinstance(param, DTensor) else param.detach().clone()

@@ -4,8 +4,8 @@ Every updated parameter (an FSDP shard gathered whole; under tensor parallelism,
 reference) and every step's loss: sdp2 at pp=1 with gradient accumulation and delayed init; pp2 x sdp2 with
 activation checkpointing; HSDP (shard groups of 2, replicated twice, 4 ranks); sdp2 x tp2 on the tensor-parallel
 GPT; all with clipping over the global norm of the shards; a tied embedding/head (co-located, in the root's FSDP
-unit) throughout. A token-weighted loss against the same layout without sharding (replicas average their own
-token-normalised gradients, as under ``ddp``, so one process is not the reference there).
+unit) throughout; each rank holds only its FSDP shard after training. A token-weighted loss (both replicas read the
+whole batch: replicas average their own token-normalised gradients, as under ``ddp``).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import os
 
 import pytest
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 import lightning_mp
@@ -55,6 +56,8 @@ def _assert_matches(results: list[dict], reference: dict, pp: int, sdp: int) -> 
     for replica in replicas:
         assert sorted(n for stage in replica for n in stage["params"]) == sorted(reference["params"])
     for rank, result in enumerate(results):  # validation ran on the gathered parameters after the last step
+        root, *units = result["units"]  # a block, or the part of one this stage holds (the plan may split it)
+        assert root == "" and units and all(u.startswith("net.blocks.") for u in units), result["units"]
         torch.testing.assert_close(result["metrics"]["val_loss"], reference["metrics"]["val_loss"], **TOL)
         for name, value in result["params"].items():
             torch.testing.assert_close(value, reference["params"][name], **TOL, msg=name)
@@ -93,6 +96,7 @@ class RecordShards(RecordTraining):
         return {
             "specs": {n: shard_spec(p) for n, p in pl_module.named_parameters()},
             "held": {n: (p.to_local() if isinstance(p, DTensor) else p).numel() for n, p in pl_module.named_parameters()},
+            "units": [fqn for fqn, m in pl_module.named_modules() if isinstance(m, FSDPModule)],
         }
 
 
@@ -127,3 +131,15 @@ def test_sdp2_x_tp2_matches_one_process(tmp_path):
             expected = expected if spec is None else shard(expected, spec, tp_rank, 2)
             torch.testing.assert_close(value, expected, **TOL, msg=name)
             assert result["held"][name] == _shard_numel(value, 2, Topology(4, rank, 1, 2).dp_rank), name
+
+
+def test_token_weighted_loss_matches_one_process(tmp_path):
+    """A padded LM whose step returns ``{"loss", "num_tokens"}``, 4 microbatches: both replicas read the whole batch
+    (no distributed sampler), so their average is one process's token-normalised gradient."""
+    reference = test_same_maths.fit(str(tmp_path / "ref"), "padded")[0]
+    strategy = test_same_maths.smp(1, 4, sharded_data_parallel_degree=2)
+    results = test_same_maths.fit(str(tmp_path / "smp"), "padded", strategy, devices=2)
+    for result in results:
+        torch.testing.assert_close(result["losses"], reference["losses"], **TOL)
+        torch.testing.assert_close(result["logged"], reference["logged"], **TOL)
+        test_same_maths.assert_state_equal(result["state"], reference["state"])
