@@ -14,6 +14,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -58,6 +59,12 @@ def _assert_matches(results: list[dict], reference: dict, pp: int, sdp: int) -> 
     for rank, result in enumerate(results):  # validation ran on the gathered parameters after the last step
         root, *units = result["units"]  # a block, or the part of one this stage holds (the plan may split it)
         assert root == "" and units and all(u.startswith("net.blocks.") for u in units), result["units"]
+        # per optimizer step, one all-gather (its window's first batch) and one reduce-scatter (its last) per unit with
+        # parameters, whatever the number of microbatches: none per microbatch
+        counts = [c for calls in result["collectives"] for c in calls.values() if c]
+        gathers, scatters = ([calls[k] for calls in result["collectives"]] for k in ("all_gather_single", "reduce_scatter_single"))
+        assert counts and set(counts) == {counts[0]} and counts[0] <= len(result["units"]), result["collectives"]
+        assert sum(gathers) == sum(scatters) == counts[0] * STEPS, result["collectives"]
         torch.testing.assert_close(result["metrics"]["val_loss"], reference["metrics"]["val_loss"], **TOL)
         for name, value in result["params"].items():
             torch.testing.assert_close(value, reference["params"][name], **TOL, msg=name)
@@ -90,13 +97,36 @@ def _fit_lm(out_dir: str, strategy, devices: int, trainer_kwargs: dict) -> list[
 
 
 class RecordShards(RecordTraining):
-    """Also per rank: each parameter's tensor-parallel spec and how many elements this rank holds of it."""
+    """Also per rank: each parameter's tensor-parallel spec, how many elements this rank holds of it, the FSDP units,
+    and per training batch how many all-gathers and reduce-scatters FSDP ran (its collectives, counted)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls = {"all_gather_single": 0, "reduce_scatter_single": 0}
+        self.per_batch: list[dict[str, int]] = []
+
+    def on_train_start(self, trainer, pl_module):
+        for name in self.calls:  # FSDP2's default collectives call these (torch/distributed/fsdp/_fully_shard)
+            original = getattr(dist, name)
+
+            def counted(*args, _name=name, _original=original, **kwargs):
+                self.calls[_name] += 1
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, counted)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.calls = dict.fromkeys(self.calls, 0)
+
+    def on_step(self, trainer, pl_module, batch_idx):
+        self.per_batch.append(dict(self.calls))
 
     def extra(self, trainer, pl_module):
         return {
             "specs": {n: shard_spec(p) for n, p in pl_module.named_parameters()},
             "held": {n: (p.to_local() if isinstance(p, DTensor) else p).numel() for n, p in pl_module.named_parameters()},
             "units": [fqn for fqn, m in pl_module.named_modules() if isinstance(m, FSDPModule)],
+            "collectives": self.per_batch,
         }
 
 
