@@ -16,7 +16,8 @@ class RecordTraining(L.Callback):
 
     The saved dict holds ``losses`` (the loss each training step returned); with ``logged``, ``logged`` (the logged
     ``train_loss`` after each step); with ``weights="params"``, ``params`` (this rank's parameters, detached
-    copies, an FSDP shard gathered whole); with ``weights="state"``, ``state`` (the state dict: full tensors under tp, a collective, so every rank
+    copies, an FSDP shard gathered whole); with ``weights="state"``, ``state`` (the state dict: full tensors under
+    tp, a collective, so every rank
     records); with ``metrics``, ``metrics`` (the final ``callback_metrics`` as floats). A subclass adds entries
     through :meth:`on_step` (after each step's loss) and :meth:`extra` (at the end).
     """

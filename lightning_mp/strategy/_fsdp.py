@@ -9,9 +9,10 @@ optimizer state are then DTensor shards between steps; the optimizer from ``conf
 ``nn.ModuleList`` or ``nn.Sequential``: the transformer layers of a model) and each partitioned subtree (a module
 whose parent runs on another stage) is its own FSDP unit, and the root (the LightningModule: embeddings, final norm,
 head, whatever no unit holds) is wrapped last. A model that is one ``nn.Sequential`` of whole stacks gets one unit
-per stack (its layers are the stack's share). One unit per block is what lets FSDP gather, reduce-scatter and free one block's
-flat buffer at a time, and keeps the root's share small; a tied parameter shared by two modules outside blocks stays
-with the root, one parameter in one unit (co-located ties; ``tied_weights="replicate"`` is refused with it).
+per stack (its layers are the stack's share). Units bound each collective's flat buffers (the all-gather's output,
+the reduce-scatter's input) by one block's size instead of a whole stage's, and are what a per-block schedule would
+gather and free one at a time. A parameter shared by two modules outside blocks stays with the root: one parameter
+in one unit (co-located ties; ``tied_weights="replicate"`` is refused with sharding).
 
 *Who drives the collectives.* FSDP's own module hooks gather before each forward and reduce-scatter after each
 backward, assuming one thread that runs one forward and then its backward. The pipeline engine runs microbatches on

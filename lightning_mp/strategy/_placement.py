@@ -90,7 +90,7 @@ def make_plan(
         manual={**manual_placements(module), **config.partition},  # the strategy's map wins for one FQN
         auto_partition=config.auto_partition,
         default_partition=config.default_partition,
-        # tie groups are not built over tensor-parallel or FSDP shards yet: "auto" colocates there (SMPConfig.tied_weights)
+        # no tie groups over tensor-parallel or FSDP shards yet: "auto" colocates there (SMPConfig.tied_weights)
         tied_weights=config.tied_weights if config.tensor_parallel_degree == config.sharded_data_parallel_degree == 1
         else "colocate",
     )

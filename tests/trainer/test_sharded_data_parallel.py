@@ -10,8 +10,6 @@ whole batch: replicas average their own token-normalised gradients, as under ``d
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -62,7 +60,7 @@ def _assert_matches(results: list[dict], reference: dict, pp: int, sdp: int) -> 
         # per optimizer step, one all-gather (its window's first batch) and one reduce-scatter (its last) per unit with
         # parameters, whatever the number of microbatches: none per microbatch
         counts = [c for calls in result["collectives"] for c in calls.values() if c]
-        gathers, scatters = ([calls[k] for calls in result["collectives"]] for k in ("all_gather_single", "reduce_scatter_single"))
+        gathers, scatters = ([calls[k] for calls in result["collectives"]] for k in RecordShards.COLLECTIVES)
         assert counts and set(counts) == {counts[0]} and counts[0] <= len(result["units"]), result["collectives"]
         assert sum(gathers) == sum(scatters) == counts[0] * STEPS, result["collectives"]
         torch.testing.assert_close(result["metrics"]["val_loss"], reference["metrics"]["val_loss"], **TOL)
@@ -81,7 +79,8 @@ def _assert_matches(results: list[dict], reference: dict, pp: int, sdp: int) -> 
     ids=["sdp2-delayed-accumulate2-clipnorm", "pp2xsdp2-checkpointing-clipnorm", "hsdp-sdp2xreplicate2-clipnorm"],
 )
 def test_fit_matches_one_process(tmp_path, pp, dp, sdp, kwargs, trainer_kwargs):
-    reference = _fit_lm(str(tmp_path / "ref"), None, 1, {k: v for k, v in trainer_kwargs.items() if k != "callbacks_extra"})[0]
+    plain_kwargs = {k: v for k, v in trainer_kwargs.items() if k != "callbacks_extra"}
+    reference = _fit_lm(str(tmp_path / "ref"), None, 1, plain_kwargs)[0]
     results = _fit_lm(str(tmp_path / "smp"), _sdp(pp, sdp, **kwargs), pp * dp, trainer_kwargs)
     _assert_matches(results, reference, pp, sdp)
 
@@ -100,13 +99,15 @@ class RecordShards(RecordTraining):
     """Also per rank: each parameter's tensor-parallel spec, how many elements this rank holds of it, the FSDP units,
     and per training batch how many all-gathers and reduce-scatters FSDP ran (its collectives, counted)."""
 
+    COLLECTIVES = ("all_gather_single", "reduce_scatter_single")  # FSDP2's defaults (fsdp/_fully_shard)
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.calls = {"all_gather_single": 0, "reduce_scatter_single": 0}
+        self.calls = dict.fromkeys(self.COLLECTIVES, 0)
         self.per_batch: list[dict[str, int]] = []
 
     def on_train_start(self, trainer, pl_module):
-        for name in self.calls:  # FSDP2's default collectives call these (torch/distributed/fsdp/_fully_shard)
+        for name in self.COLLECTIVES:
             original = getattr(dist, name)
 
             def counted(*args, _name=name, _original=original, **kwargs):
@@ -124,10 +125,14 @@ class RecordShards(RecordTraining):
     def extra(self, trainer, pl_module):
         return {
             "specs": {n: shard_spec(p) for n, p in pl_module.named_parameters()},
-            "held": {n: (p.to_local() if isinstance(p, DTensor) else p).numel() for n, p in pl_module.named_parameters()},
+            "held": {n: _local(p).numel() for n, p in pl_module.named_parameters()},
             "units": [fqn for fqn, m in pl_module.named_modules() if isinstance(m, FSDPModule)],
             "collectives": self.per_batch,
         }
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def _shard_numel(whole: torch.Tensor, shards: int, index: int) -> int:

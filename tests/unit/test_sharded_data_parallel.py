@@ -56,7 +56,8 @@ def test_hsdp_groups_unflatten_the_replicas():
 def test_wrapping_units_are_the_outermost_blocks_and_partitioned_subtrees():
     model = nn.Module()
     model.net = TinyLM(depth=3)
-    stage_of = {"": 0, "net": 0, "net.embed": 0, "net.blocks": 0, "net.head": 1, **{f"net.blocks.{i}": i // 2 for i in range(3)}}
+    stage_of = {"": 0, "net": 0, "net.embed": 0, "net.blocks": 0, "net.head": 1}
+    stage_of.update({f"net.blocks.{i}": i // 2 for i in range(3)})
     stage_of.update({f"net.blocks.{i}.{j}": i // 2 for i in range(3) for j in range(3)})
     assert wrapping_units(model, stage_of, 0) == ["net.blocks.0", "net.blocks.1"]  # each a Sequential: its layers
     assert wrapping_units(model, stage_of, 1) == ["net.blocks.2", "net.head"]  # head: a subtree under stage 0
