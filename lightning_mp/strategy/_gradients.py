@@ -30,12 +30,15 @@ the loss close to one process's for many steps while a small parameter drifts, s
    over its own batch; replicas hold equal batch sizes, so the mean of their gradients is the gradient of the
    global batch's mean, as under DDP. Bucketed during backward (:class:`~lightning_mp.strategy._reducer.
    GradientReducer`, dp > 1 without tp) or after it (:func:`all_reduce_gradients`): the same sums, then the same
-   division.
+   division. Under sharded data parallelism FSDP2 does it instead, once per optimizer step: a reduce-scatter over
+   the shard group (and, for HSDP, an all-reduce across replicas), averaged over dp, into each rank's shard of the
+   gradient ([Note: sharded stages] in ``_fsdp.py``); tied copies are co-located there, so step 5 has nothing to do.
 5. *Replicated tied weights* (``tie`` groups, [Note: replicated tied weights] in ``_tied.py``): **sum**. Each
    stage's copy holds the gradient of that stage's uses only; one process's gradient of a shared parameter is the
    sum over its uses. After step 4, so every copy gets the same bits.
 6. *Clipping* (:meth:`StepGradients.clip`): the 2-norm of the whole model counts each logical parameter once: the
-   squares of sharded gradients are **summed** over tp, those of replicated ones are taken once (their sum over
+   squares of FSDP's gradient shards are **summed** over their shard group first; the squares of sharded gradients
+   are **summed** over tp, those of replicated ones are taken once (their sum over
    tp divided by tp: equal on every tp rank), tied copies are counted on their lowest stage only, and the total
    is **summed** over the pipeline stages.
 
