@@ -67,12 +67,6 @@ def check_supported(module: Any, config: SMPConfig, fitting: bool) -> None:
             " supported yet (tie groups over tensor-parallel shards are not built). Use tied_weights='colocate' or"
             " 'auto' (which co-locates under tensor parallelism)."
         )
-    if config.sharded_data_parallel_degree > 1 and config.tied_weights == "replicate":
-        raise ValueError(
-            f"tied_weights='replicate' with sharded_data_parallel_degree={config.sharded_data_parallel_degree} is"
-            " not supported yet (a copy's gradient would have to be summed before FSDP's reduce-scatter). Use"
-            " tied_weights='colocate' or 'auto' (which co-locates under sharded data parallelism)."
-        )
     if fitting and not module.automatic_optimization:
         raise ValueError(
             "The 'smp' strategy runs backward inside the pipeline, so manual optimization"

@@ -20,6 +20,10 @@ from tests.models import TinyLM
             {"sharded_data_parallel_degree": 2, "shard_optimizer_state": True},
             r"shard_optimizer_state=True \(ZeRO-1\) cannot be combined with sharded_data_parallel_degree=2.*Drop",
         ),
+        (
+            {"sharded_data_parallel_degree": 2, "tied_weights": "replicate"},
+            r"tied_weights='replicate' with sharded_data_parallel_degree=2 is not supported yet.*'colocate'",
+        ),
     ],
 )
 def test_config_errors_name_the_value_and_fix(kwargs, match):
