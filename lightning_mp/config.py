@@ -154,7 +154,7 @@ class SMPConfig:
     and optimizer state are sharded over this many of its data-parallel ranks with torch's FSDP2
     (``torch.distributed.fsdp.fully_shard``); below the data-parallel degree, groups of that many ranks shard and
     the groups replicate each other (HSDP). Must divide ``dp = world_size / (pp * tp)``; excludes
-    ``shard_optimizer_state`` (FSDP shards the optimizer state already) and ``tied_weights="replicate"``. See ``[Note: sharded stages]`` in
+    ``shard_optimizer_state`` (FSDP shards the optimizer state already). See ``[Note: sharded stages]`` in
     ``lightning_mp/strategy/_fsdp.py``."""
 
     release_host_memory: bool = False
@@ -253,12 +253,6 @@ class SMPConfig:
                 f"shard_optimizer_state=True (ZeRO-1) cannot be combined with sharded_data_parallel_degree="
                 f"{self.sharded_data_parallel_degree}: FSDP already shards the optimizer state with the parameters."
                 " Drop shard_optimizer_state, or set sharded_data_parallel_degree=1."
-            )
-        if self.sharded_data_parallel_degree > 1 and self.tied_weights == "replicate":
-            raise ValueError(
-                f"tied_weights='replicate' with sharded_data_parallel_degree={self.sharded_data_parallel_degree} is"
-                " not supported yet (a copy's gradient would have to be summed before FSDP's reduce-scatter). Use"
-                " tied_weights='colocate' or 'auto' (which co-locates under sharded data parallelism)."
             )
 
     def _check_non_split_inputs(self) -> None:

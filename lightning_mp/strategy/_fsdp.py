@@ -11,8 +11,9 @@ whose parent runs on another stage) is its own FSDP unit, and the root (the Ligh
 head, whatever no unit holds) is wrapped last. A model that is one ``nn.Sequential`` of whole stacks gets one unit
 per stack (its layers are the stack's share). Units bound each collective's flat buffers (the all-gather's output,
 the reduce-scatter's input) by one block's size instead of a whole stage's, and are what a per-block schedule would
-gather and free one at a time. A parameter shared by two modules outside blocks stays with the root: one parameter
-in one unit (co-located ties; ``tied_weights="replicate"`` is refused with sharding).
+gather and free one at a time. A module holding a parameter registered outside it too (a tie) is no unit: the
+parameter stays with the root, one parameter in one unit. Replicated ties (``tied_weights="replicate"``; ``"auto"``
+co-locates under sharding) are summed over their tie group on the gathered copies before the reduce-scatter.
 
 *Who drives the collectives.* FSDP's own module hooks gather before each forward and reduce-scatter after each
 backward, assuming one thread that runs one forward and then its backward. The pipeline engine runs microbatches on
@@ -46,12 +47,17 @@ __all__ = ["ShardedStage", "local_tensor", "shard_stage", "wrapping_units"]
 def wrapping_units(module: nn.Module, stage_of: Mapping[str, int], stage: int) -> list[str]:
     """The FQNs of the FSDP units of ``module``'s stage ``stage`` below its root, in module order (see [Note: sharded
     stages]): the outermost blocks (modules held by an ``nn.ModuleList``/``nn.Sequential``) and partitioned subtrees
-    (modules whose parent runs on another stage) that hold parameters; a unit's own blocks are its share."""
+    (modules whose parent runs on another stage) that hold parameters; a unit's own blocks are its share. A module
+    holding a parameter that is also registered outside it (a tie) is no unit: the parameter stays with the root."""
+    holders: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(param), []).append(name)
     units: list[str] = []
     for fqn, child in module.named_modules():  # pre-order: a unit comes before what it holds
         if not fqn or stage_of.get(fqn, stage) != stage or any(fqn.startswith(f"{unit}.") for unit in units):
             continue
-        if not any(True for _ in child.parameters()):
+        params = list(child.parameters())
+        if not params or any(not n.startswith(f"{fqn}.") for p in params for n in holders[id(p)]):
             continue
         parent_fqn = fqn.rpartition(".")[0]
         block = isinstance(module.get_submodule(parent_fqn), (nn.ModuleList, nn.Sequential))

@@ -242,12 +242,10 @@ def check_ties(plan: PartitionPlan, module: torch.nn.Module, config: SMPConfig) 
     """The plan with its replicated parameters as its placement implies (a plan saved before they were recorded
     gets them); an error if it splits a tie under ``tied_weights="colocate"`` or tensor parallelism."""
     replicated = replicated_stages(module, plan.stage_of)
-    if replicated and (config.tensor_parallel_degree > 1 or config.sharded_data_parallel_degree > 1):
+    if replicated and config.tensor_parallel_degree > 1:
         raise ValueError(
             f"The partition plan places modules that share a parameter on different stages ({replicated}), which"
-            f" is not supported with tensor_parallel_degree={config.tensor_parallel_degree} or"
-            f" sharded_data_parallel_degree={config.sharded_data_parallel_degree} above 1 yet. Use a plan that"
-            " keeps tied modules together."
+            " is not supported with tensor_parallel_degree > 1 yet. Use a plan that keeps tied modules together."
         )
     if replicated and config.tied_weights == "colocate":
         raise ValueError(

@@ -53,10 +53,11 @@ def _assert_matches(results: list[dict], reference: dict, pp: int, sdp: int) -> 
     per_replica = torch.tensor([replica[0]["losses"] for replica in replicas])
     torch.testing.assert_close(per_replica.mean(0).tolist(), reference["losses"], **TOL)
     for replica in replicas:
-        assert sorted(n for stage in replica for n in stage["params"]) == sorted(reference["params"])
+        assert {n for stage in replica for n in stage["params"]} == set(reference["params"])
     for rank, result in enumerate(results):  # validation ran on the gathered parameters after the last step
-        root, *units = result["units"]  # a block, or the part of one this stage holds (the plan may split it)
-        assert root == "" and units and all(u.startswith("net.blocks.") for u in units), result["units"]
+        root, *units = result["units"]  # blocks (or the part of one this stage holds) and partitioned subtrees
+        assert root == "" and all(u.startswith(("net.blocks.", "net.head")) for u in units), result["units"]
+        assert units or not any(n.startswith("net.blocks.") for n in result["params"]), "a block is a unit"
         # per optimizer step, one all-gather (its window's first batch) and one reduce-scatter (its last) per unit with
         # parameters, whatever the number of microbatches: none per microbatch
         counts = [c for calls in result["collectives"] for c in calls.values() if c]
@@ -75,8 +76,14 @@ def _assert_matches(results: list[dict], reference: dict, pp: int, sdp: int) -> 
         (1, 2, 2, {"delayed_parameter_initialization": True}, {**CLIP, "accumulate_grad_batches": 2}),
         (2, 2, 2, {}, {**CLIP, "callbacks_extra": (lightning_mp.ActivationCheckpointing(["net.blocks.*"]),)}),
         (1, 4, 2, {}, CLIP),
+        (2, 2, 2, {"tied_weights": "replicate", "partition": {"net.head": 1}, "auto_partition": False}, CLIP),
     ],
-    ids=["sdp2-delayed-accumulate2-clipnorm", "pp2xsdp2-checkpointing-clipnorm", "hsdp-sdp2xreplicate2-clipnorm"],
+    ids=[
+        "sdp2-delayed-accumulate2-clipnorm",
+        "pp2xsdp2-checkpointing-clipnorm",
+        "hsdp-sdp2xreplicate2-clipnorm",
+        "pp2xsdp2-replicated-tie-clipnorm",
+    ],
 )
 def test_fit_matches_one_process(tmp_path, pp, dp, sdp, kwargs, trainer_kwargs):
     plain_kwargs = {k: v for k, v in trainer_kwargs.items() if k != "callbacks_extra"}

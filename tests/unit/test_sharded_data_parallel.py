@@ -20,10 +20,6 @@ from tests.models import TinyLM
             {"sharded_data_parallel_degree": 2, "shard_optimizer_state": True},
             r"shard_optimizer_state=True \(ZeRO-1\) cannot be combined with sharded_data_parallel_degree=2.*Drop",
         ),
-        (
-            {"sharded_data_parallel_degree": 2, "tied_weights": "replicate"},
-            r"tied_weights='replicate' with sharded_data_parallel_degree=2 is not supported yet.*'colocate'",
-        ),
     ],
 )
 def test_config_errors_name_the_value_and_fix(kwargs, match):
@@ -64,6 +60,8 @@ def test_wrapping_units_are_the_outermost_blocks_and_partitioned_subtrees():
     stage_of.update({f"net.blocks.{i}": i // 2 for i in range(3)})
     stage_of.update({f"net.blocks.{i}.{j}": i // 2 for i in range(3) for j in range(3)})
     assert wrapping_units(model, stage_of, 0) == ["net.blocks.0", "net.blocks.1"]  # each a Sequential: its layers
-    assert wrapping_units(model, stage_of, 1) == ["net.blocks.2", "net.head"]  # head: a subtree under stage 0
+    assert wrapping_units(model, stage_of, 1) == ["net.blocks.2"]  # the head shares the embedding's weight
+    model.net.head.weight = nn.Parameter(model.net.head.weight.detach().clone())  # untied
+    assert wrapping_units(model, stage_of, 1) == ["net.blocks.2", "net.head"]  # a subtree under stage 0
     model.net.blocks[2] = nn.Sequential(nn.Sequential(nn.Linear(2, 2)))
     assert wrapping_units(model, {}, 0) == ["net.blocks.0", "net.blocks.1", "net.blocks.2"]
