@@ -16,7 +16,8 @@ class RecordTraining(L.Callback):
 
     The saved dict holds ``losses`` (the loss each training step returned); with ``logged``, ``logged`` (the logged
     ``train_loss`` after each step); with ``weights="params"``, ``params`` (this rank's parameters, detached
-    copies, an FSDP shard gathered whole); with ``weights="state"``, ``state`` (the state dict: full tensors under tp, a collective, so every rank
+    copies, an FSDP shard gathered whole); with ``weights="state"``, ``state`` (the state dict: full tensors under
+    tp, a collective, so every rank
     records); with ``metrics``, ``metrics`` (the final ``callback_metrics`` as floats). A subclass adds entries
     through :meth:`on_step` (after each step's loss) and :meth:`extra` (at the end).
     """
@@ -48,7 +49,7 @@ class RecordTraining(L.Callback):
         if self.weights == "params":
             record["params"] = {n: _whole(p) for n, p in pl_module.named_parameters()}
         else:
-            record["state"] = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+            record["state"] = {k: _whole(v) for k, v in pl_module.state_dict().items()}
         if self.metrics:
             record["metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
         record.update(self.extra(trainer, pl_module))
@@ -56,7 +57,7 @@ class RecordTraining(L.Callback):
 
 
 def _whole(param: torch.Tensor) -> torch.Tensor:
-    """A detached copy of ``param``; of an FSDP shard (a DTensor), the whole tensor (a collective over its mesh)."""
+    """A detached copy of ``param``; of an FSDP shard (a DTensor), the whole (a collective over its mesh)."""
     from torch.distributed.tensor import DTensor
 
     return param.full_tensor().detach().clone() if isinstance(param, DTensor) else param.detach().clone()

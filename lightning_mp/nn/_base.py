@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_mp.tp import TPGroup, shard, shard_spec, unshard
 
@@ -75,7 +76,10 @@ def _gather_full(module: TPModule, state: dict[str, Any], prefix: str, local_met
         key = prefix + name
         if spec is None or key not in state or module.tp.size == 1:
             continue
-        local = state[key].detach().contiguous()
+        local = state[key].detach()
+        if isinstance(local, DTensor):  # an FSDP shard of this tp piece (sharded data parallelism): the piece first
+            local = local.full_tensor()
+        local = local.contiguous()
         pieces = [torch.empty_like(local) for _ in range(module.tp.size)]
         dist.all_gather(pieces, local, group=module.require_group())
         state[key] = unshard(pieces, spec)

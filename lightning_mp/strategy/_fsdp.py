@@ -5,12 +5,15 @@ rank's stage with ``torch.distributed.fsdp.fully_shard`` over ``ProcessGroups.sh
 ``(dp_replicate, dp_shard)`` for HSDP: shard inside a group, all-reduce across groups). Parameters, gradients and
 optimizer state are then DTensor shards between steps; the optimizer from ``configure_optimizers`` steps the shards.
 
-*Wrapping unit* (as torchtitan's ``apply_fsdp``): each block (a module with parameters held by an ``nn.ModuleList``
-or ``nn.Sequential``, the transformer layers of a model) and each partitioned subtree (a module whose parent runs on
-another stage) is its own FSDP unit, the deepest first, and the root (the LightningModule: embeddings, final norm,
-head, whatever no unit holds) last. One unit per block is what lets FSDP gather, reduce-scatter and free one block's
-flat buffer at a time, and keeps the root's share small; a tied parameter shared by two modules outside blocks stays
-with the root, one parameter in one unit (co-located ties; ``tied_weights="replicate"`` is refused with it).
+*Wrapping unit* (as torchtitan's ``apply_fsdp``): each outermost block (a module with parameters held by an
+``nn.ModuleList`` or ``nn.Sequential``: the transformer layers of a model) and each partitioned subtree (a module
+whose parent runs on another stage) is its own FSDP unit, and the root (the LightningModule: embeddings, final norm,
+head, whatever no unit holds) is wrapped last. A model that is one ``nn.Sequential`` of whole stacks gets one unit
+per stack (its layers are the stack's share). Units bound each collective's flat buffers (the all-gather's output,
+the reduce-scatter's input) by one block's size instead of a whole stage's, and are what a per-block schedule would
+gather and free one at a time. A module holding a parameter registered outside it too (a tie) is no unit: the
+parameter stays with the root, one parameter in one unit. Replicated ties (``tied_weights="replicate"``; ``"auto"``
+co-locates under sharding) are summed over their tie group on the gathered copies before the reduce-scatter.
 
 *Who drives the collectives.* FSDP's own module hooks gather before each forward and reduce-scatter after each
 backward, assuming one thread that runs one forward and then its backward. The pipeline engine runs microbatches on
@@ -42,23 +45,29 @@ __all__ = ["ShardedStage", "local_tensor", "shard_stage", "wrapping_units"]
 
 
 def wrapping_units(module: nn.Module, stage_of: Mapping[str, int], stage: int) -> list[str]:
-    """The FQNs of the FSDP units of ``module``'s local stage below its root, deepest first (see [Note: sharded
-    stages]): blocks (children of an ``nn.ModuleList``/``nn.Sequential`` holding parameters) and partitioned
-    subtrees (modules of ``stage`` whose parent runs on another stage), each with parameters on this rank."""
-    units = []
-    for fqn, child in module.named_modules():
-        if not fqn or not any(True for _ in child.parameters()):
+    """The FQNs of the FSDP units of ``module``'s stage ``stage`` below its root, in module order (see [Note: sharded
+    stages]): the outermost blocks (modules held by an ``nn.ModuleList``/``nn.Sequential``) and partitioned subtrees
+    (modules whose parent runs on another stage) that hold parameters; a unit's own blocks are its share. A module
+    holding a parameter that is also registered outside it (a tie) is no unit: the parameter stays with the root."""
+    holders: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(param), []).append(name)
+    units: list[str] = []
+    for fqn, child in module.named_modules():  # pre-order: a unit comes before what it holds
+        if not fqn or stage_of.get(fqn, stage) != stage or any(fqn.startswith(f"{unit}.") for unit in units):
             continue
-        parent_fqn, _, _ = fqn.rpartition(".")
-        parent = module.get_submodule(parent_fqn)
-        subtree_root = stage_of.get(fqn, stage) == stage and stage_of.get(parent_fqn, stage) != stage
-        if isinstance(parent, (nn.ModuleList, nn.Sequential)) or subtree_root:
+        params = list(child.parameters())
+        if not params or any(not n.startswith(f"{fqn}.") for p in params for n in holders[id(p)]):
+            continue
+        parent_fqn = fqn.rpartition(".")[0]
+        block = isinstance(module.get_submodule(parent_fqn), (nn.ModuleList, nn.Sequential))
+        if block or stage_of.get(parent_fqn, stage) != stage:
             units.append(fqn)
-    return sorted(units, key=lambda fqn: -fqn.count("."))
+    return units
 
 
 def shard_stage(module: nn.Module, mesh: DeviceMesh, stage_of: Mapping[str, int], stage: int) -> ShardedStage:
-    """Wrap this rank's stage of ``module`` with ``fully_shard`` over ``mesh``, units first, root last, and gather it.
+    """Wrap this rank's stage of ``module`` with ``fully_shard`` over ``mesh``, units first, root last; gather it.
 
     Call once the stage's parameters are final (after the tensor-parallel swap, materialisation and the tied-weight
     broadcast). Attributes set on a parameter (tensor-parallel shard specs and gradient rules) are copied to FSDP's
@@ -106,15 +115,12 @@ class ShardedStage:
     def gather(self) -> None:
         """All-gather every unit's parameters (once per step; a no-op while gathered): the stage's modules then hold
         the whole (tp-local) parameters, the ones the engine's step computes with and accumulates into."""
-        gathered = False
         for state in self._state._state_ctx.all_states:
             for group in state._fsdp_param_groups:
-                gathered |= not group.is_unsharded
                 group.lazy_init()
                 group.unshard()
                 group.wait_for_unshard()
-        if gathered:
-            self._copy_attributes()
+        self._copy_attributes()
 
     def reshard(self) -> None:
         """Free the gathered parameters: the modules hold the DTensor shards again (what ``configure_optimizers``
@@ -147,6 +153,7 @@ class ShardedStage:
                 if isinstance(value, DTensor):
                     state[key] = value.full_tensor()
 
+        self._copy_attributes()  # Lightning's teardown moved the model (``_apply``: new parameter objects)
         handle = self.root._register_state_dict_hook(gather_whole)
         try:
             yield
@@ -154,6 +161,7 @@ class ShardedStage:
             handle.remove()
 
     def _copy_attributes(self) -> None:
+        """Onto the parameters the modules hold now (shards, or gathered ones; FSDP makes new objects of both)."""
         for fqn, param in self.root.named_parameters():
             for name, value in self._attributes.get(fqn, {}).items():
                 setattr(param, name, value)

@@ -30,12 +30,16 @@ the loss close to one process's for many steps while a small parameter drifts, s
    over its own batch; replicas hold equal batch sizes, so the mean of their gradients is the gradient of the
    global batch's mean, as under DDP. Bucketed during backward (:class:`~lightning_mp.strategy._reducer.
    GradientReducer`, dp > 1 without tp) or after it (:func:`all_reduce_gradients`): the same sums, then the same
-   division.
+   division. Under sharded data parallelism FSDP2 does it instead, once per optimizer step: a reduce-scatter over
+   the shard group (and, for HSDP, an all-reduce across replicas), averaged over dp, into each rank's shard of the
+   gradient ([Note: sharded stages] in ``_fsdp.py``); step 5 then runs before it, on the gathered copies.
 5. *Replicated tied weights* (``tie`` groups, [Note: replicated tied weights] in ``_tied.py``): **sum**. Each
    stage's copy holds the gradient of that stage's uses only; one process's gradient of a shared parameter is the
-   sum over its uses. After step 4, so every copy gets the same bits.
+   sum over its uses. After step 4, so every copy gets the same bits; under sharded data parallelism before it, on the
+   gathered copies: each copy's replicas then reduce-scatter equal sums, so the shards agree as well.
 6. *Clipping* (:meth:`StepGradients.clip`): the 2-norm of the whole model counts each logical parameter once: the
-   squares of sharded gradients are **summed** over tp, those of replicated ones are taken once (their sum over
+   squares of FSDP's gradient shards are **summed** over their shard group first; the squares of sharded gradients
+   are **summed** over tp, those of replicated ones are taken once (their sum over
    tp divided by tp: equal on every tp rank), tied copies are counted on their lowest stage only, and the total
    is **summed** over the pipeline stages.
 
@@ -168,12 +172,15 @@ class StepGradients:
         params = list(self._model.parameters())
         if topology.tensor_parallel_degree > 1:
             reduce_replicated_grads(params, self._groups.tp)
-        if self._sharded is not None:  # FSDP's reduce-scatter (and HSDP all-reduce): the shards' average
+        if self._sharded is not None:  # tied copies summed, then FSDP's reduce-scatter (and HSDP all-reduce)
+            self._tied.rebind(self._model)  # the gathered copies
+            self._tied.reduce_gradients()  # every copy's replicas then average the same sums: the same bits
             self._sharded.reduce_scatter()
-        elif topology.data_parallel_degree > 1:
-            if self.reducer is None or not self.reducer.finish():  # not bucketed during backward: now
-                all_reduce_gradients(params, self._groups.dp, topology.data_parallel_degree)
-        self._tied.reduce_gradients()  # after the dp average, so every copy gets the same bits (_tied.py)
+            self._tied.rebind(self._model)  # the shards, for the norm
+        else:
+            if topology.data_parallel_degree > 1 and (self.reducer is None or not self.reducer.finish()):
+                all_reduce_gradients(params, self._groups.dp, topology.data_parallel_degree)  # not bucketed: now
+            self._tied.reduce_gradients()  # after the dp average, so every copy gets the same bits (_tied.py)
         self._final = True
 
     def reducing(self, closure: Callable[[], Any]) -> Callable[[], Any]:

@@ -90,9 +90,7 @@ def make_plan(
         manual={**manual_placements(module), **config.partition},  # the strategy's map wins for one FQN
         auto_partition=config.auto_partition,
         default_partition=config.default_partition,
-        # tie groups are not built over tensor-parallel or FSDP shards yet: "auto" colocates there (SMPConfig.tied_weights)
-        tied_weights=config.tied_weights if config.tensor_parallel_degree == config.sharded_data_parallel_degree == 1
-        else "colocate",
+        tied_weights=_planned_ties(config),
     )
     if trainer.state.fn == TrainerFn.FITTING:
         _check_every_stage_has_parameters(stages, model_trace)
@@ -340,6 +338,17 @@ def plan_saved_in(path: Path, module: torch.nn.Module, num_stages: int) -> Parti
         return None
     rank_zero_info(f"lightning_mp: reusing the partition plan from {path}")
     return saved
+
+
+def _planned_ties(config: SMPConfig) -> str:
+    """``tied_weights`` as the planner takes it: no tie groups over tensor-parallel shards yet, so tp > 1 co-locates;
+    under sharded data parallelism ``"auto"`` co-locates (one parameter in one FSDP unit; an explicit
+    ``"replicate"`` sums the copies before FSDP's reduce-scatter)."""
+    if config.tensor_parallel_degree > 1:
+        return "colocate"
+    if config.sharded_data_parallel_degree > 1 and config.tied_weights == "auto":
+        return "colocate"
+    return config.tied_weights
 
 
 def broadcast_plan(result: tuple[PartitionPlan, Any] | BaseException | None, src: int = 0) -> PartitionPlan:

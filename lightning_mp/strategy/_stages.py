@@ -67,12 +67,6 @@ def check_supported(module: Any, config: SMPConfig, fitting: bool) -> None:
             " supported yet (tie groups over tensor-parallel shards are not built). Use tied_weights='colocate' or"
             " 'auto' (which co-locates under tensor parallelism)."
         )
-    if config.sharded_data_parallel_degree > 1 and config.tied_weights == "replicate":
-        raise ValueError(
-            f"tied_weights='replicate' with sharded_data_parallel_degree={config.sharded_data_parallel_degree} is"
-            " not supported yet (a copy's gradient would have to be summed before FSDP's reduce-scatter). Use"
-            " tied_weights='colocate' or 'auto' (which co-locates under sharded data parallelism)."
-        )
     if fitting and not module.automatic_optimization:
         raise ValueError(
             "The 'smp' strategy runs backward inside the pipeline, so manual optimization"
@@ -248,12 +242,10 @@ def check_ties(plan: PartitionPlan, module: torch.nn.Module, config: SMPConfig) 
     """The plan with its replicated parameters as its placement implies (a plan saved before they were recorded
     gets them); an error if it splits a tie under ``tied_weights="colocate"`` or tensor parallelism."""
     replicated = replicated_stages(module, plan.stage_of)
-    if replicated and (config.tensor_parallel_degree > 1 or config.sharded_data_parallel_degree > 1):
+    if replicated and config.tensor_parallel_degree > 1:
         raise ValueError(
             f"The partition plan places modules that share a parameter on different stages ({replicated}), which"
-            f" is not supported with tensor_parallel_degree={config.tensor_parallel_degree} or"
-            f" sharded_data_parallel_degree={config.sharded_data_parallel_degree} above 1 yet. Use a plan that"
-            " keeps tied modules together."
+            " is not supported with tensor_parallel_degree > 1 yet. Use a plan that keeps tied modules together."
         )
     if replicated and config.tied_weights == "colocate":
         raise ValueError(

@@ -361,26 +361,34 @@ class SMPStrategy(ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._gather()
-        summary = self._runner.run("validation_step", self.precision_plugin.val_step_context, args, kwargs)
+        with self._gathered():
+            summary = self._runner.run("validation_step", self.precision_plugin.val_step_context, args, kwargs)
         return move_data_to_device(summary.output, self.root_device)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._gather()
-        summary = self._runner.run("test_step", self.precision_plugin.test_step_context, args, kwargs)
+        with self._gathered():
+            summary = self._runner.run("test_step", self.precision_plugin.test_step_context, args, kwargs)
         return move_data_to_device(summary.output, self.root_device)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._gather()
-        summary = self._runner.run("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+        with self._gathered():
+            summary = self._runner.run("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
         return move_data_to_device(summary.output, self.root_device)
 
-    def _gather(self) -> None:
-        """Under sharded data parallelism, gather the stage's parameters before an evaluation step (``_fsdp.py``)."""
-        if self._sharded is not None:
-            self._sharded.gather()
+    @contextmanager
+    def _gathered(self) -> Generator[None, None, None]:
+        """Under sharded data parallelism, an evaluation step on the gathered parameters, sharded again after it
+        (one all-gather per step, as FSDP's hooks would; see ``_fsdp.py``)."""
+        if self._sharded is None:
+            yield
+            return
+        self._sharded.gather()
+        try:
+            yield
+        finally:
+            self._sharded.reshard()
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:

@@ -20,7 +20,8 @@ As Megatron-LM (its embedding group) and DeepSpeed (``TiedLayerSpec``) do:
   without a gradient counts as zeros). Every member then holds the same bits (one all-reduce, the same inputs after
   the dp average), steps the same optimizer state, and the copies stay bitwise equal step after step (Megatron-LM
   #656: pipelined copies that drifted apart). The sum is the one-process gradient up to float rounding (the stages'
-  contributions are added in another order).
+  contributions are added in another order). Under sharded data parallelism the sum comes before FSDP's
+  reduce-scatter instead (on the gathered copies; :meth:`TiedWeights.rebind` follows FSDP's parameter objects).
 * the global gradient norm counts the copy on the lowest stage only;
 * DCP checkpoints keep one entry per parameter under its original FQN (the name ``named_parameters()`` of the
   whole model gives it); a load fills every copy, and every other name of the parameter, from it.
@@ -29,7 +30,7 @@ As Megatron-LM (its embedding group) and DeepSpeed (``TiedLayerSpec``) do:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -123,6 +124,11 @@ class TiedWeights:
             bucket = torch.cat([grad, flag])
             dist.all_reduce(bucket, group=tie.group)
             p.grad = bucket[:-1].view_as(p).clone() if bucket[-1].item() > 0 else None
+
+    def rebind(self, model: nn.Module) -> None:
+        """Take each copy from ``model`` again by its FQN: FSDP2 holds new parameter objects (its shards between
+        steps, the gathered ones during a step), so the sum before its reduce-scatter and the norm use them."""
+        self._mine = [replace(tie, param=model.get_parameter(tie.fqn)) for tie in self._mine]
 
     def counted_once(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
         """``params`` without the copies that the global gradient norm must not count again."""

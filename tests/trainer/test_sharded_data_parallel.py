@@ -1,0 +1,187 @@
+"""Sharded data parallelism (``sharded_data_parallel_degree``, FSDP2) through ``Trainer.fit`` against one process.
+
+Every updated parameter (an FSDP shard gathered whole; under tensor parallelism, this tp rank's piece of the
+reference) and every step's loss: sdp2 at pp=1 with gradient accumulation and delayed init; pp2 x sdp2 with
+activation checkpointing; HSDP (shard groups of 2, replicated twice, 4 ranks); sdp2 x tp2 on the tensor-parallel
+GPT; all with clipping over the global norm of the shards; a tied embedding/head (co-located, in the root's FSDP
+unit) throughout; each rank holds only its FSDP shard after training. A token-weighted loss (both replicas read the
+whole batch: replicas average their own token-normalised gradients, as under ``ddp``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+import lightning_mp
+from lightning_mp.topology import Topology
+from lightning_mp.tp import shard, shard_spec
+from tests._fit import RecordTraining, fit_and_collect
+from tests.models import TinyLM
+from tests.trainer import test_same_maths, test_tp_trainer
+from tests.trainer.test_strategy import CLIP, STEPS, Wrapped
+
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+class DelayedLM(Wrapped):
+    """``tiedlm`` built in ``configure_model`` (delayed under ``delayed_parameter_initialization``), seeded there."""
+
+    def __init__(self) -> None:
+        super().__init__("tiedlm")
+        self.net = None
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            torch.manual_seed(0)
+            self.net = TinyLM()
+
+
+def _sdp(pp: int, sdp: int, microbatches: int = 2, **kwargs) -> lightning_mp.SMPStrategy:
+    return lightning_mp.SMPStrategy(
+        pipeline_parallel_degree=pp, sharded_data_parallel_degree=sdp, microbatches=microbatches, start_method="fork",
+        **kwargs,
+    )
+
+
+def _assert_matches(results: list[dict], reference: dict, pp: int, sdp: int) -> None:
+    dp = len(results) // pp
+    replicas = [results[r * pp : (r + 1) * pp] for r in range(dp)]  # rank = dp_rank * pp + pp_rank
+    per_replica = torch.tensor([replica[0]["losses"] for replica in replicas])
+    torch.testing.assert_close(per_replica.mean(0).tolist(), reference["losses"], **TOL)
+    for replica in replicas:
+        assert {n for stage in replica for n in stage["params"]} == set(reference["params"])
+    for rank, result in enumerate(results):  # validation ran on the gathered parameters after the last step
+        root, *units = result["units"]  # blocks (or the part of one this stage holds) and partitioned subtrees
+        assert root == "" and all(u.startswith(("net.blocks.", "net.head")) for u in units), result["units"]
+        assert units or not any(n.startswith("net.blocks.") for n in result["params"]), "a block is a unit"
+        # per optimizer step, one all-gather (its window's first batch) and one reduce-scatter (its last) per unit with
+        # parameters, whatever the number of microbatches: none per microbatch
+        counts = [c for calls in result["collectives"] for c in calls.values() if c]
+        gathers, scatters = ([calls[k] for calls in result["collectives"]] for k in RecordShards.COLLECTIVES)
+        assert counts and set(counts) == {counts[0]} and counts[0] <= len(result["units"]), result["collectives"]
+        assert sum(gathers) == sum(scatters) == counts[0] * STEPS, result["collectives"]
+        torch.testing.assert_close(result["metrics"]["val_loss"], reference["metrics"]["val_loss"], **TOL)
+        for name, value in result["params"].items():
+            torch.testing.assert_close(value, reference["params"][name], **TOL, msg=name)
+            assert result["held"][name] == _shard_numel(value, sdp, (rank // pp) % sdp), f"{name}: a shard"
+
+
+@pytest.mark.parametrize(
+    ("pp", "dp", "sdp", "kwargs", "trainer_kwargs"),
+    [
+        (1, 2, 2, {"delayed_parameter_initialization": True}, {**CLIP, "accumulate_grad_batches": 2}),
+        (2, 2, 2, {}, {**CLIP, "callbacks_extra": (lightning_mp.ActivationCheckpointing(["net.blocks.*"]),)}),
+        (1, 4, 2, {}, CLIP),
+        (2, 2, 2, {"tied_weights": "replicate", "partition": {"net.head": 1}, "auto_partition": False}, CLIP),
+    ],
+    ids=[
+        "sdp2-delayed-accumulate2-clipnorm",
+        "pp2xsdp2-checkpointing-clipnorm",
+        "hsdp-sdp2xreplicate2-clipnorm",
+        "pp2xsdp2-replicated-tie-clipnorm",
+    ],
+)
+def test_fit_matches_one_process(tmp_path, pp, dp, sdp, kwargs, trainer_kwargs):
+    plain_kwargs = {k: v for k, v in trainer_kwargs.items() if k != "callbacks_extra"}
+    reference = _fit_lm(str(tmp_path / "ref"), None, 1, plain_kwargs)[0]
+    results = _fit_lm(str(tmp_path / "smp"), _sdp(pp, sdp, **kwargs), pp * dp, trainer_kwargs)
+    _assert_matches(results, reference, pp, sdp)
+
+
+def _fit_lm(out_dir: str, strategy, devices: int, trainer_kwargs: dict) -> list[dict]:
+    trainer_kwargs = dict(trainer_kwargs)
+    callbacks = trainer_kwargs.pop("callbacks_extra", ())
+    return fit_and_collect(
+        DelayedLM(), out_dir, devices=devices, strategy=strategy, max_steps=STEPS,
+        record=RecordShards(out_dir, logged=True, metrics=True),
+        callbacks=callbacks, num_sanity_val_steps=0, use_distributed_sampler=False, **trainer_kwargs,
+    )
+
+
+class RecordShards(RecordTraining):
+    """Also per rank: each parameter's tensor-parallel spec, how many elements this rank holds of it, the FSDP units,
+    and per training batch how many all-gathers and reduce-scatters FSDP ran (its collectives, counted)."""
+
+    COLLECTIVES = ("all_gather_single", "reduce_scatter_single")  # FSDP2's defaults (fsdp/_fully_shard)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls = dict.fromkeys(self.COLLECTIVES, 0)
+        self.per_batch: list[dict[str, int]] = []
+
+    def on_train_start(self, trainer, pl_module):
+        for name in self.COLLECTIVES:
+            original = getattr(dist, name)
+
+            def counted(*args, _name=name, _original=original, **kwargs):
+                self.calls[_name] += 1
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, counted)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.calls = dict.fromkeys(self.calls, 0)
+
+    def on_step(self, trainer, pl_module, batch_idx):
+        self.per_batch.append(dict(self.calls))
+
+    def extra(self, trainer, pl_module):
+        return {
+            "specs": {n: shard_spec(p) for n, p in pl_module.named_parameters()},
+            "held": {n: _local(p).numel() for n, p in pl_module.named_parameters()},
+            "units": [fqn for fqn, m in pl_module.named_modules() if isinstance(m, FSDPModule)],
+            "collectives": self.per_batch,
+        }
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def _shard_numel(whole: torch.Tensor, shards: int, index: int) -> int:
+    """How many elements FSDP2's ``Shard(0)`` places on shard ``index`` (``torch.chunk`` along dim 0)."""
+    chunks = torch.chunk(whole, shards)
+    return chunks[index].numel() if index < len(chunks) else 0
+
+
+def test_sdp2_x_tp2_matches_one_process(tmp_path):
+    """FSDP shards each tp rank's (plain tensor) piece over its replicas: 4 ranks, each holding a quarter."""
+    torch.manual_seed(0)
+    reference = fit_and_collect(
+        test_tp_trainer.TinyTPGPT(), str(tmp_path / "ref"), max_steps=test_tp_trainer.STEPS,
+        record=RecordShards(str(tmp_path / "ref")), num_sanity_val_steps=0, use_distributed_sampler=False, **CLIP,
+    )[0]
+    torch.manual_seed(0)
+    strategy = lightning_mp.SMPStrategy(
+        tensor_parallel_degree=2, sharded_data_parallel_degree=2, microbatches=2, start_method="fork"
+    )
+    results = fit_and_collect(
+        test_tp_trainer.TinyTPGPT(), str(tmp_path / "smp"), devices=4, strategy=strategy,
+        max_steps=test_tp_trainer.STEPS, record=RecordShards(str(tmp_path / "smp")), num_sanity_val_steps=0,
+        use_distributed_sampler=False, **CLIP,
+    )
+    for rank, result in enumerate(results):
+        tp_rank = Topology(4, rank, 1, 2).tp_rank
+        assert set(result["params"]) == set(reference["params"])
+        for name, value in result["params"].items():
+            spec = result["specs"][name]
+            expected = reference["params"][name]
+            expected = expected if spec is None else shard(expected, spec, tp_rank, 2)
+            torch.testing.assert_close(value, expected, **TOL, msg=name)
+            assert result["held"][name] == _shard_numel(value, 2, Topology(4, rank, 1, 2).dp_rank), name
+
+
+def test_token_weighted_loss_matches_one_process(tmp_path):
+    """A padded LM whose step returns ``{"loss", "num_tokens"}``, 4 microbatches: both replicas read the whole batch
+    (no distributed sampler), so their average is one process's token-normalised gradient."""
+    reference = test_same_maths.fit(str(tmp_path / "ref"), "padded")[0]
+    strategy = test_same_maths.smp(1, 4, sharded_data_parallel_degree=2)
+    results = test_same_maths.fit(str(tmp_path / "smp"), "padded", strategy, devices=2)
+    for result in results:
+        torch.testing.assert_close(result["losses"], reference["losses"], **TOL)
+        torch.testing.assert_close(result["logged"], reference["logged"], **TOL)
+        test_same_maths.assert_state_equal(result["state"], reference["state"])
