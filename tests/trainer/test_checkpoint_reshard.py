@@ -3,7 +3,7 @@ the 3 steps after the resume give the losses and final parameters of the uninter
 (a loader Lightning can resume mid-epoch, so the data goes on as in the uninterrupted run)
 (AdamW, float32 tolerance). Model and optimizer state are resharded on load: pp 1 -> 2, 2 -> 1, 2 -> 4;
 tp 1 -> 2, 2 -> 1; (pp2, tp2) <-> (pp1, tp1); dp 2 -> 1 with a sharded optimizer (ZeRO-1); sharded data
-parallelism (FSDP2, sdp2) -> dp1, pp2, tp2 and pp2, tp2 -> sdp2. The example GPT
+parallelism (FSDP2, sdp2) -> dp1, pp2, tp2 and pp2, tp2 -> sdp2; tp2 x sdp2 -> one process. The example GPT
 (fused q/k/v and a padded vocabulary under tp) and a transformers GPT-2 (Conv1D translation). Resuming at the
 same layout gives bitwise the per-step losses of the uninterrupted run at that layout."""
 
@@ -148,6 +148,7 @@ _GPT_CASES = {
     "pp2": ((2, 1, {}, 2), [(4, 1, {}, 4), (1, 1, {}, 1), (1, 1, _SDP2, 2)]),
     "dp2-zero1": ((1, 1, {"shard_optimizer_state": True}, 2), [(1, 1, {}, 1)]),
     "sdp2": ((1, 1, _SDP2, 2), [(1, 1, {}, 1), (2, 1, {}, 2), (1, 2, {}, 2)]),
+    "sdp2tp2": ((1, 2, _SDP2, 4), [(1, 1, {}, 1)]),
 }
 
 
