@@ -48,6 +48,7 @@ from lightning_mp.strategy._launch import make_launcher, prepare_process
 from lightning_mp.strategy._precision import install_synced_scaler
 from lightning_mp.strategy._gradients import StepGradients
 from lightning_mp.strategy._prelaunch import check_before_launch
+from lightning_mp.strategy._preemption import Preemption
 from lightning_mp.strategy._replicas import seed_workers_by_replica, share_generators, sync_initial_states
 from lightning_mp.strategy._runner import StepRunner
 from lightning_mp.strategy._runner import steps_optimizer as _steps_optimizer
@@ -126,6 +127,7 @@ class SMPStrategy(ParallelStrategy):
         self._plan: PartitionPlan | None = None
         self._trace: ModelTrace | None = None
         self._gradients: StepGradients | None = None  # the owner of a step's gradients, built at setup
+        self._preemption = Preemption()  # SIGTERM and SIGINT: see [Note: SIGTERM at a step boundary]
 
     @classmethod
     def from_config(cls, config: SMPConfig, **plugins: Any) -> SMPStrategy:
@@ -271,6 +273,11 @@ class SMPStrategy(ParallelStrategy):
         """Turn on delayed init for ``configure_model`` (the ``DelayedParameterInit`` callback calls this)."""
         self.config = dataclasses.replace(self.config, delayed_parameter_initialization=True)
 
+    def _close_transports(self) -> None:
+        """Stop the pipeline transports' threads (at exit, before the process groups are destroyed)."""
+        if self._engine is not None:
+            self._engine.close()
+
     def _release_process_groups(self) -> None:
         """Drop every object that holds a process group (at exit, after they were destroyed)."""
         self._runner.detach()
@@ -290,6 +297,7 @@ class SMPStrategy(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
+        self._preemption.install(trainer)  # before the Trainer registers its signal handlers
         check_supported(self.lightning_module, self.config, fitting=trainer.state.fn == TrainerFn.FITTING)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -349,6 +357,7 @@ class SMPStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self._gradients is not None
+        self._preemption.agree(self.lightning_module.trainer, self.root_device)
         summary = self._runner.train(
             self.lightning_module.trainer, self._gradients, list(self.model.parameters()), self.precision_plugin, args,
             kwargs,
@@ -357,16 +366,19 @@ class SMPStrategy(ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._preemption.agree(self.lightning_module.trainer, self.root_device)
         summary = self._runner.run("validation_step", self.precision_plugin.val_step_context, args, kwargs)
         return move_data_to_device(summary.output, self.root_device)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._preemption.agree(self.lightning_module.trainer, self.root_device)
         summary = self._runner.run("test_step", self.precision_plugin.test_step_context, args, kwargs)
         return move_data_to_device(summary.output, self.root_device)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._preemption.agree(self.lightning_module.trainer, self.root_device)
         summary = self._runner.run("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
         return move_data_to_device(summary.output, self.root_device)
 
@@ -457,6 +469,7 @@ class SMPStrategy(ParallelStrategy):
     def teardown(self) -> None:
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
+        self._preemption.uninstall()
         with kept_on_meta(self.lightning_module):  # a setup that failed before materialisation (see _delayed.py)
             super().teardown()
 
