@@ -9,11 +9,13 @@ replica in 2 microbatches) on 4 processes: 2 pipeline stages x 2 data-parallel r
 and a DCP checkpoint (``ModelCheckpoint(every_n_train_steps=...)``, the latest kept, plus ``last``) every
 ``--checkpoint-every`` steps. Every ``--every`` steps, each rank appends one record to ``DIR/probe_rank<R>.jsonl``
 (the :class:`SoakProbe` callback): its resident set (``VmRSS``), threads and open file descriptors from ``/proc/self``,
-and the mean time of its training steps in the window (``on_train_batch_start`` to ``on_train_batch_end``: the
-pipelined step and the optimizer; validation and checkpoints are outside it).
+the mean wall and CPU time (``time.process_time``: every thread of the process) of its training steps in the window
+(``on_train_batch_start`` to ``on_train_batch_end``: the pipelined step and the optimizer; validation and
+checkpoints are outside it) and the machine's load average. On a shared machine the wall time follows the load; the
+CPU time per step much less.
 
 Prints one row per window (resident memory summed over the 4 ranks; the most threads and open files of any rank;
-global rank 0's mean step time), then each curve's growth after warm-up: ``max(later windows) / base - 1``, with
+global rank 0's mean step wall and CPU time, the load average), then each curve's growth after warm-up: ``max(later windows) / base - 1``, with
 ``base`` the window at step ``--warmup`` (default 300: after the first validation and checkpoint). It ends with the
 run's exit status, its wall time and the processes the run left behind (goal 0). Linux only (``/proc``).
 """
@@ -33,7 +35,7 @@ import lightning as L
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-_CURVES = ("rss_mib", "threads", "fds", "step_ms")
+_CURVES = ("rss_mib", "threads", "fds", "step_ms", "step_cpu_ms")
 
 
 def process_counts() -> dict[str, float]:
@@ -52,18 +54,19 @@ class SoakProbe(L.Callback):
 
     def __init__(self, out_dir: str, every: int = 100) -> None:
         self.out_dir, self.every = out_dir, every
-        self._started = 0.0
-        self._step_s: list[float] = []
+        self._started = (0.0, 0.0)
+        self._step_s: list[tuple[float, float]] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._started = time.perf_counter()
+        self._started = (time.perf_counter(), time.process_time())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self._step_s.append(time.perf_counter() - self._started)
+        self._step_s.append((time.perf_counter() - self._started[0], time.process_time() - self._started[1]))
         if trainer.global_step % self.every:
             return
-        record = {"step": trainer.global_step, **process_counts(),
-                  "step_ms": 1000 * sum(self._step_s) / len(self._step_s)}
+        wall, cpu = (sum(column) / len(self._step_s) for column in zip(*self._step_s))
+        record = {"step": trainer.global_step, **process_counts(), "step_ms": 1000 * wall, "step_cpu_ms": 1000 * cpu,
+                  "load": os.getloadavg()[0]}
         self._step_s.clear()
         with open(os.path.join(self.out_dir, f"probe_rank{trainer.global_rank}.jsonl"), "a") as out:
             out.write(json.dumps(record) + "\n")
@@ -110,6 +113,8 @@ def _row(by_rank: dict[int, dict]) -> dict[str, float]:
         "threads": max(r["threads"] for r in by_rank.values()),
         "fds": max(r["fds"] for r in by_rank.values()),
         "step_ms": by_rank[0]["step_ms"] if 0 in by_rank else float("nan"),
+        "step_cpu_ms": by_rank[0]["step_cpu_ms"] if 0 in by_rank else float("nan"),
+        "load": by_rank[0]["load"] if 0 in by_rank else float("nan"),
     }
 
 
@@ -156,9 +161,11 @@ def main() -> None:
     left = _left_behind(run.pid)
     windows = {step: _row(by_rank) for step, by_rank in sorted(_read_probes(out).items())}
     print(f"soak: {args.steps} steps, pp2 x dp2, validation and checkpoint every {args.checkpoint_every}; {out}")
-    print("step | RSS MiB (sum of 4 ranks) | threads (max rank) | open fds (max rank) | step ms (rank 0)")
+    print("step | RSS MiB (sum of 4 ranks) | threads (max rank) | open fds (max rank) | step ms (rank 0) | step CPU ms"
+          " (rank 0) | load average")
     for step, row in windows.items():
-        print(f"{step} | {row['rss_mib']:.1f} | {row['threads']} | {row['fds']} | {row['step_ms']:.1f}")
+        print(f"{step} | {row['rss_mib']:.1f} | {row['threads']} | {row['fds']} | {row['step_ms']:.1f}"
+              f" | {row['step_cpu_ms']:.1f} | {row['load']:.1f}")
     if args.warmup in windows:
         base = windows[args.warmup]
         later = [row for step, row in windows.items() if step > args.warmup]

@@ -27,10 +27,12 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed import PrefixStore, TCPStore
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "apply_thread_policy",
+    "elastic_store",
     "make_launcher",
     "prepare_process",
     "print_on_one_rank",
@@ -63,6 +66,18 @@ def make_launcher(strategy: SMPStrategy, start_method: str) -> _Launcher:
     if start_method == "popen":
         return _ScriptLauncher(strategy, strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
     return _Spawn(strategy, start_method=start_method)
+
+
+def before_launch(strategy: SMPStrategy, trainer: Any, function: Callable, args: tuple, kwargs: dict) -> None:
+    """What every launch does first, in each process that calls the ``Trainer`` entry point ``function``: the layout
+    checks, the resume path for the strategy, and (with DCP checkpoints) the ``ModelCheckpoint`` folder names, before
+    the entry point resolves ``ckpt_path="last"``: Lightning looks for ``last`` under the callbacks' file suffix."""
+    strategy.check_before_launch(function, args, kwargs)
+    strategy._resume_path = resume_path_of(function, args, kwargs)
+    if trainer is not None and strategy.config.save_distributed_checkpoint:
+        from lightning_mp.strategy._checkpoint import name_checkpoint_folders  # it imports this module
+
+        name_checkpoint_folders(trainer.checkpoint_callbacks)
 
 
 def resume_path_of(function: Callable, args: tuple, kwargs: dict) -> str | Path | None:
@@ -115,8 +130,7 @@ class _ScriptLauncher(_SubprocessScriptLauncher):
         self._strategy = strategy
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        self._strategy.check_before_launch(function, args, kwargs)
-        self._strategy._resume_path = resume_path_of(function, args, kwargs)
+        before_launch(self._strategy, trainer, function, args, kwargs)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
     def _call_children_scripts(self) -> None:
@@ -157,8 +171,7 @@ class _Spawn(SpawnLauncher):
     _parent_generators: dict[str, Any] | None = None
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        self._strategy.check_before_launch(function, args, kwargs)
-        self._strategy._resume_path = resume_path_of(function, args, kwargs)
+        before_launch(self._strategy, trainer, function, args, kwargs)
         self._parent_generators = _collect_rng_states(include_cuda=False) if self._start_method == "fork" else None
         if self._start_method == "fork":
             rank_zero_info(
@@ -174,6 +187,24 @@ class _Spawn(SpawnLauncher):
         if self._parent_generators is not None:
             _set_rng_states(self._parent_generators)
         super()._wrapping_function(*args, **kwargs)
+
+
+def elastic_store(cluster_environment: Any, timeout: timedelta) -> dict[str, Any]:
+    """``init_process_group`` arguments for a restart under torchelastic: ``{"store": ...}``, else ``{}``.
+
+    [Note: stores of elastic restarts] Workers started by ``torchrun`` (``TORCHELASTIC_USE_AGENT_STORE=True``) connect
+    to the agent's store, and torch's env rendezvous no longer prefixes its keys per attempt ("We create a new
+    TCPStore for every retry", ``torch/distributed/rendezvous.py``). Measured with torch 2.13 and ``torchrun
+    --standalone --max-restarts 1``: after a worker was killed the agent restarted the workers against the same
+    store, and the restarted ranks' gloo groups read the dead ranks' addresses ("Gloo connectFullMesh failed ...
+    Connection refused"), in a 15-line script with plain ``torch.distributed`` too. Each attempt therefore gets its
+    own key space, ``/lightning_mp/attempt_<TORCHELASTIC_RESTART_COUNT>``, as torch's earlier prefix did.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True) or attempt is None:
+        return {}
+    client = TCPStore(cluster_environment.main_address, cluster_environment.main_port, is_master=False, timeout=timeout)
+    return {"store": PrefixStore(f"/lightning_mp/attempt_{attempt}", client)}
 
 
 def apply_thread_policy(num_processes: int) -> None:

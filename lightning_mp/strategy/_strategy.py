@@ -44,7 +44,7 @@ from lightning_mp.pipeline import PipelineEngine
 from lightning_mp.strategy import _checkpoint, _saving
 from lightning_mp.strategy._delayed import is_delayed, kept_on_meta
 from lightning_mp.strategy._exit import release_at_exit
-from lightning_mp.strategy._launch import make_launcher, prepare_process
+from lightning_mp.strategy._launch import elastic_store, make_launcher, prepare_process
 from lightning_mp.strategy._precision import install_synced_scaler
 from lightning_mp.strategy._gradients import StepGradients
 from lightning_mp.strategy._prelaunch import check_before_launch
@@ -247,7 +247,10 @@ class SMPStrategy(ParallelStrategy):
             reset_seed()
         check_data_plane(self.config, self.root_device)  # before the first collective
         assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, backend, timeout=self.config.timeout)
+        _init_dist_connection(  # a torchrun restart gets its own store keys: see [Note: stores of elastic restarts]
+            self.cluster_environment, backend, timeout=self.config.timeout,
+            **elastic_store(self.cluster_environment, self.config.timeout),
+        )
         if self._engine is None:  # a later fit/validate/test in the same processes keeps groups, plan and placement
             share_generators()  # without a seed, every rank takes rank 0's: see [Note: ranks start alike]
             self._process_groups, self._engine = launch_runtime(
