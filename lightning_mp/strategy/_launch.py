@@ -69,15 +69,10 @@ def make_launcher(strategy: SMPStrategy, start_method: str) -> _Launcher:
 
 
 def before_launch(strategy: SMPStrategy, trainer: Any, function: Callable, args: tuple, kwargs: dict) -> None:
-    """What every launch does first, in each process that calls the ``Trainer`` entry point ``function``: the layout
-    checks, the resume path for the strategy, and (with DCP checkpoints) the ``ModelCheckpoint`` folder names, before
-    the entry point resolves ``ckpt_path="last"``: Lightning looks for ``last`` under the callbacks' file suffix."""
-    strategy.check_before_launch(function, args, kwargs)
+    """What every launch does first, in each process that calls the ``Trainer`` entry point ``function``: the
+    strategy's checks (and checkpoint names) before the launch, and the path it resumes from."""
+    strategy.check_before_launch(function, args, kwargs, trainer)
     strategy._resume_path = resume_path_of(function, args, kwargs)
-    if trainer is not None and strategy.config.save_distributed_checkpoint:
-        from lightning_mp.strategy._checkpoint import name_checkpoint_folders  # it imports this module
-
-        name_checkpoint_folders(trainer.checkpoint_callbacks)
 
 
 def resume_path_of(function: Callable, args: tuple, kwargs: dict) -> str | Path | None:

@@ -223,10 +223,14 @@ class SMPStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         self._launcher = make_launcher(self, self.config.start_method)  # see [Note: threads per process] in _launch.py
 
-    def check_before_launch(self, function: Any, args: tuple, kwargs: dict) -> None:
+    def check_before_launch(self, function: Any, args: tuple, kwargs: dict, trainer: Any = None) -> None:
         """What the layout makes certain to fail, raised in the launching process before any other process starts
-        (the launchers call this; see ``_prelaunch.py``)."""
+        (the launchers call this; see ``_prelaunch.py``). With DCP checkpoints it also names ``trainer``'s
+        ``ModelCheckpoint`` folders, before the entry point resolves ``ckpt_path="last"`` (Lightning looks for
+        ``last`` under the callbacks' file suffix)."""
         check_before_launch(self.config, self.num_nodes * self.num_processes, function, args, kwargs)
+        if trainer is not None and self.config.save_distributed_checkpoint:
+            _checkpoint.name_checkpoint_folders(trainer.checkpoint_callbacks)
 
     @override
     def setup_environment(self) -> None:
