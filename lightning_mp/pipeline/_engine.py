@@ -179,6 +179,13 @@ class PipelineEngine:
         ``OrderedGradients.report``). Call after :meth:`order_gradients`."""
         self.gradients.report(params, on_accumulated, wanted)
 
+    def close(self) -> None:
+        """Stop the transports' threads (a pair data plane's communication thread, after its sends in flight), at
+        the end of the process: no step runs after it. Safe to call twice."""
+        for transport in (self.transport, self.order_transport):
+            if transport is not None:
+                transport.close()
+
     # ---- sessions --------------------------------------------------------------------------------------------
 
     @contextmanager

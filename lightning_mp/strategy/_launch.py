@@ -8,22 +8,36 @@ runs C threads and they oversubscribe the cores (measured on 2 cores: 1.1 steps/
 ``smp`` strategy therefore uses the same launchers as ``ddp`` on every launch path, and applies the same policy
 again in ``setup_environment`` for launch paths that bypass a launcher. The pipeline engine's threads repeat
 the count of the thread that created the engine (see [Note: intra-op threads of engine threads]).
+
+[Note: forked ranks run one intra-op thread] OpenMP (libgomp) is not fork-safe: once the launching process has run
+a parallel region, a forked child that runs one with more than one thread waits forever for pool threads that
+exist only in the parent (measured: ``start_method="fork"`` with 1 device after a matmul in the parent hung in the
+first step). Under ``fork`` every rank therefore runs one intra-op thread, as torch's DataLoader workers do
+(``torch.set_num_threads(1)`` in each worker), and the launch says so; ``popen`` and ``spawn`` start fresh
+interpreters and keep ddp's policy.
 """
 
 from __future__ import annotations
 
+import atexit
 import inspect
+import os
+import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+from torch.distributed import PrefixStore, TCPStore
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_mp.memory._host import fix_mmap_threshold
 from lightning_mp.strategy._exit import SpawnLauncher
@@ -33,6 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "apply_thread_policy",
+    "elastic_store",
     "make_launcher",
     "prepare_process",
     "print_on_one_rank",
@@ -51,6 +66,13 @@ def make_launcher(strategy: SMPStrategy, start_method: str) -> _Launcher:
     if start_method == "popen":
         return _ScriptLauncher(strategy, strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
     return _Spawn(strategy, start_method=start_method)
+
+
+def before_launch(strategy: SMPStrategy, trainer: Any, function: Callable, args: tuple, kwargs: dict) -> None:
+    """What every launch does first, in each process that calls the ``Trainer`` entry point ``function``: the
+    strategy's checks (and checkpoint names) before the launch, and the path it resumes from."""
+    strategy.check_before_launch(function, args, kwargs, trainer)
+    strategy._resume_path = resume_path_of(function, args, kwargs)
 
 
 def resume_path_of(function: Callable, args: tuple, kwargs: dict) -> str | Path | None:
@@ -95,16 +117,42 @@ def resolve_resume_path(request: str | Path | None, trainer: Any) -> Path | None
 
 
 class _ScriptLauncher(_SubprocessScriptLauncher):
-    """Lightning's popen launcher that also hands the strategy the path it resumes from."""
+    """Lightning's popen launcher that also hands the strategy the path it resumes from, and whose process waits for
+    the ranks it started when it exits (see :func:`join_children`)."""
 
     def __init__(self, strategy: SMPStrategy, *args: Any) -> None:
         super().__init__(*args)
         self._strategy = strategy
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        self._strategy.check_before_launch(function, args, kwargs)
-        self._strategy._resume_path = resume_path_of(function, args, kwargs)
+        before_launch(self._strategy, trainer, function, args, kwargs)
         return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    def _call_children_scripts(self) -> None:
+        super()._call_children_scripts()
+        atexit.register(join_children, self.procs, CHILDREN_EXIT_S)
+
+
+CHILDREN_EXIT_S = 30.0
+"""Seconds the popen launcher's process waits at its exit for the ranks it started, before it kills them."""
+
+
+def join_children(procs: list[subprocess.Popen], timeout_s: float) -> None:
+    """Wait for ``procs`` (the ranks the popen launcher started) for up to ``timeout_s`` in all, then kill those
+    still running (SIGKILL). Lightning's launcher lets its process exit first: its ranks then outlive the job's main
+    process (measured: 3 of 3 still running 1 s after a 4-rank run's launcher exited) and nobody reaps them."""
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for proc in procs:
+        if proc.poll() is None:
+            print(f"lightning_mp: rank process {proc.pid} still running {timeout_s:.0f} s after the launcher's process"
+                  " ended; killing it.", file=sys.stderr, flush=True)
+            proc.kill()
+            proc.wait()
 
 
 class _Spawn(SpawnLauncher):
@@ -118,12 +166,19 @@ class _Spawn(SpawnLauncher):
     _parent_generators: dict[str, Any] | None = None
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        self._strategy.check_before_launch(function, args, kwargs)
-        self._strategy._resume_path = resume_path_of(function, args, kwargs)
+        before_launch(self._strategy, trainer, function, args, kwargs)
         self._parent_generators = _collect_rng_states(include_cuda=False) if self._start_method == "fork" else None
+        if self._start_method == "fork":
+            rank_zero_info(
+                "lightning_mp: start_method='fork' runs one intra-op thread per rank (OpenMP is not fork-safe); use"
+                " 'popen' (the default) or 'spawn' for more."
+            )
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        if self._start_method == "fork":  # see [Note: forked ranks run one intra-op thread]
+            os.environ["OMP_NUM_THREADS"] = "1"
+            torch.set_num_threads(1)
         if self._parent_generators is not None:
             _set_rng_states(self._parent_generators)
         super()._wrapping_function(*args, **kwargs)
@@ -135,6 +190,24 @@ class _Spawn(SpawnLauncher):
             return super()._collect_rank_zero_results(trainer, results)
         with sharded.whole_state_dicts():
             return super()._collect_rank_zero_results(trainer, results)
+
+
+def elastic_store(cluster_environment: Any, timeout: timedelta) -> dict[str, Any]:
+    """``init_process_group`` arguments for a restart under torchelastic: ``{"store": ...}``, else ``{}``.
+
+    [Note: stores of elastic restarts] Workers started by ``torchrun`` (``TORCHELASTIC_USE_AGENT_STORE=True``) connect
+    to the agent's store, and torch's env rendezvous no longer prefixes its keys per attempt ("We create a new
+    TCPStore for every retry", ``torch/distributed/rendezvous.py``). Measured with torch 2.13 and ``torchrun
+    --standalone --max-restarts 1``: after a worker was killed the agent restarted the workers against the same
+    store, and the restarted ranks' gloo groups read the dead ranks' addresses ("Gloo connectFullMesh failed ...
+    Connection refused"), in a 15-line script with plain ``torch.distributed`` too. Each attempt therefore gets its
+    own key space, ``/lightning_mp/attempt_<TORCHELASTIC_RESTART_COUNT>``, as torch's earlier prefix did.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True) or attempt is None:
+        return {}
+    client = TCPStore(cluster_environment.main_address, cluster_environment.main_port, is_master=False, timeout=timeout)
+    return {"store": PrefixStore(f"/lightning_mp/attempt_{attempt}", client)}
 
 
 def apply_thread_policy(num_processes: int) -> None:

@@ -44,11 +44,12 @@ from lightning_mp.pipeline import PipelineEngine
 from lightning_mp.strategy import _checkpoint, _saving
 from lightning_mp.strategy._delayed import is_delayed, kept_on_meta
 from lightning_mp.strategy._exit import release_at_exit
-from lightning_mp.strategy._launch import make_launcher, prepare_process
+from lightning_mp.strategy._launch import elastic_store, make_launcher, prepare_process
 from lightning_mp.strategy._precision import install_synced_scaler
 from lightning_mp.strategy._fsdp import ShardedStage
 from lightning_mp.strategy._gradients import StepGradients
 from lightning_mp.strategy._prelaunch import check_before_launch
+from lightning_mp.strategy._preemption import Preemption
 from lightning_mp.strategy._replicas import seed_workers_by_replica, share_generators, sync_initial_states
 from lightning_mp.strategy._runner import StepRunner
 from lightning_mp.strategy._runner import steps_optimizer as _steps_optimizer
@@ -128,6 +129,7 @@ class SMPStrategy(ParallelStrategy):
         self._plan: PartitionPlan | None = None
         self._trace: ModelTrace | None = None
         self._gradients: StepGradients | None = None  # the owner of a step's gradients, built at setup
+        self._preemption = Preemption()  # SIGTERM and SIGINT: see [Note: SIGTERM at a step boundary]
 
     @classmethod
     def from_config(cls, config: SMPConfig, **plugins: Any) -> SMPStrategy:
@@ -223,10 +225,14 @@ class SMPStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         self._launcher = make_launcher(self, self.config.start_method)  # see [Note: threads per process] in _launch.py
 
-    def check_before_launch(self, function: Any, args: tuple, kwargs: dict) -> None:
+    def check_before_launch(self, function: Any, args: tuple, kwargs: dict, trainer: Any = None) -> None:
         """What the layout makes certain to fail, raised in the launching process before any other process starts
-        (the launchers call this; see ``_prelaunch.py``)."""
+        (the launchers call this; see ``_prelaunch.py``). With DCP checkpoints it also names ``trainer``'s
+        ``ModelCheckpoint`` folders, before the entry point resolves ``ckpt_path="last"`` (Lightning looks for
+        ``last`` under the callbacks' file suffix)."""
         check_before_launch(self.config, self.num_nodes * self.num_processes, function, args, kwargs)
+        if trainer is not None and self.config.save_distributed_checkpoint:
+            _checkpoint.name_checkpoint_folders(trainer.checkpoint_callbacks)
 
     @override
     def setup_environment(self) -> None:
@@ -248,7 +254,10 @@ class SMPStrategy(ParallelStrategy):
             reset_seed()
         check_data_plane(self.config, self.root_device)  # before the first collective
         assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, backend, timeout=self.config.timeout)
+        _init_dist_connection(  # a torchrun restart gets its own store keys: see [Note: stores of elastic restarts]
+            self.cluster_environment, backend, timeout=self.config.timeout,
+            **elastic_store(self.cluster_environment, self.config.timeout),
+        )
         if self._engine is None:  # a later fit/validate/test in the same processes keeps groups, plan and placement
             share_generators()  # without a seed, every rank takes rank 0's: see [Note: ranks start alike]
             self._process_groups, self._engine = launch_runtime(
@@ -274,6 +283,11 @@ class SMPStrategy(ParallelStrategy):
         """Turn on delayed init for ``configure_model`` (the ``DelayedParameterInit`` callback calls this)."""
         self.config = dataclasses.replace(self.config, delayed_parameter_initialization=True)
 
+    def _close_transports(self) -> None:
+        """Stop the pipeline transports' threads (at exit, before the process groups are destroyed)."""
+        if self._engine is not None:
+            self._engine.close()
+
     def _release_process_groups(self) -> None:
         """Drop every object that holds a process group (at exit, after they were destroyed)."""
         self._runner.detach()
@@ -293,6 +307,7 @@ class SMPStrategy(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
+        self._preemption.install(trainer)  # before the Trainer registers its signal handlers
         check_supported(self.lightning_module, self.config, fitting=trainer.state.fn == TrainerFn.FITTING)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -353,6 +368,7 @@ class SMPStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self._gradients is not None
+        self._preemption.agree(self.lightning_module.trainer, self.root_device)
         summary = self._runner.train(
             self.lightning_module.trainer, self._gradients, self._gradients.step_parameters(), self.precision_plugin,
             args, kwargs,
@@ -361,18 +377,21 @@ class SMPStrategy(ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._preemption.agree(self.lightning_module.trainer, self.root_device)
         with self._gathered():
             summary = self._runner.run("validation_step", self.precision_plugin.val_step_context, args, kwargs)
         return move_data_to_device(summary.output, self.root_device)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._preemption.agree(self.lightning_module.trainer, self.root_device)
         with self._gathered():
             summary = self._runner.run("test_step", self.precision_plugin.test_step_context, args, kwargs)
         return move_data_to_device(summary.output, self.root_device)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._preemption.agree(self.lightning_module.trainer, self.root_device)
         with self._gathered():
             summary = self._runner.run("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
         return move_data_to_device(summary.output, self.root_device)
@@ -477,6 +496,7 @@ class SMPStrategy(ParallelStrategy):
     def teardown(self) -> None:
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
+        self._preemption.uninstall()
         with kept_on_meta(self.lightning_module):  # a setup that failed before materialisation (see _delayed.py)
             super().teardown()
 
