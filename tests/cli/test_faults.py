@@ -33,6 +33,7 @@ def test_the_other_ranks_fail_naming_the_faulted_rank(tmp_path, point, rank):
     log = (tmp_path / "trial-000" / "log.txt").read_text(errors="replace")
     assert trial.fault_s is not None, f"the fault was not reached:\n{log[-3000:]}"
     assert trial.left_behind == 0, f"{trial.extra.get('left_ranks')} left behind:\n{log[-3000:]}"
-    assert trial.others_out and trial.out_after_s <= timeout_s + SLACK_S[point], f"{trial.out_after_s} s:\n{log[-3000:]}"
+    late = f"{trial.out_after_s} s:\n{log[-3000:]}"
+    assert trial.others_out and trial.out_after_s <= timeout_s + SLACK_S[point], late
     assert trial.named, f"no error names global rank {rank}:\n{log[-5000:]}"
     assert trial.checkpoint == "" and trial.resume_exact is None  # no checkpoint before step 2
