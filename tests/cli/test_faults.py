@@ -14,8 +14,8 @@ import pytest
 from scripts.fault_harness import Trial, run_trial
 
 # SMPConfig.timeout of the runs, seconds. It is also their rendezvous timeout, so it must cover 4 processes starting
-# on a busy machine (60 s did not, at load 20 on 2 cores); only the SIGSTOP trial waits for it.
-TIMEOUT_S = {"forward": 180, "allreduce": 180, "sigstop": 60}
+# on a busy machine (60 s did not, at loads 20 to 30 on 2 cores); only the SIGSTOP trial waits for it.
+TIMEOUT_S = {"forward": 180, "allreduce": 180, "sigstop": 120}
 # The goal is every other rank out within timeout + 10 s. A SIGSTOP makes the others detect the silence after the
 # timeout and then exit (Python and process-group teardown of 3 processes): 15 s past the timeout at load 20 on 2
 # cores, so the SIGSTOP trial is held to timeout + 30 s here; scripts/fault_harness.py reports against the goal.
