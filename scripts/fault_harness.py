@@ -35,6 +35,7 @@ outcome), a summary line, and writes every trial's record as JSON (``--out``).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import json
 import os
@@ -83,6 +84,7 @@ class FaultInjector(pl.Callback):
         self.dir = Path(os.environ.get("SMP_FAULT_DIR", "."))
         self._trainer: pl.Trainer | None = None
         self._armed = True
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # the harness asks survivors where they are stuck
 
     def _victim(self, trainer: pl.Trainer) -> bool:
         return self._armed and trainer.global_rank == self.rank
@@ -280,7 +282,8 @@ def launch(layout: str, run_dir: Path, token: str, timeout_s: int, fault: str = 
            ) -> subprocess.Popen:
     run_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, SMP_FAULT=fault, SMP_FAULT_DIR=str(run_dir), SMP_FAULT_TOKEN=token,
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1",
+               PYTHONFAULTHANDLER="1")
     log = open(run_dir / "log.txt", "wb")
     return subprocess.Popen(run_args(layout, run_dir, timeout_s, ckpt_path), cwd=ROOT, env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -328,7 +331,7 @@ def run_trial(trial: Trial, root: Path, timeout_s: int, reference: dict[int, flo
     proc = launch(trial.layout, run_dir, token, timeout_s, fault=f"{trial.point}:{trial.rank}:{trial.step}")
     start = time.time()
     signalled = trial.point not in ("sigterm", "sigint")
-    deadline = None
+    deadline = dump_at = None
     victim_pid = None
     seen: dict[int, str] = {}
     while True:
@@ -345,6 +348,12 @@ def run_trial(trial: Trial, root: Path, timeout_s: int, reference: dict[int, flo
             trial.fault_s, trial.what, victim_pid = fault["time"], fault["what"], fault["pid"]
         if trial.fault_s is not None and deadline is None:
             deadline = trial.fault_s + timeout_s + 30
+            dump_at = trial.fault_s + 20
+        if dump_at is not None and time.time() > dump_at:  # still there 20 s after the fault: where is each stuck?
+            dump_at = None
+            for pid in _run_pids(token):
+                if pid != victim_pid or trial.point != "sigstop":
+                    os.kill(pid, signal.SIGUSR1)
         pids = _run_pids(token)
         _note_exits(trial, seen, pids, proc.pid)
         others = [pid for pid in pids if pid != victim_pid or trial.point != "sigstop"]
@@ -356,8 +365,7 @@ def run_trial(trial: Trial, root: Path, timeout_s: int, reference: dict[int, flo
             trial.left_behind = len(others)
             trial.extra["left_ranks"] = sorted(pids[pid] or "launcher" for pid in others)
             break
-    for pid in _run_pids(token):  # the SIGSTOPped victim, and what was left behind
-        os.kill(pid, signal.SIGKILL)
+    _end_run(token, victim_pid if trial.point == "sigstop" else None)
     trial.exit_code = proc.wait()
     log = (run_dir / "log.txt").read_text(errors="replace")
     trial.log = str(run_dir / "log.txt")
@@ -377,6 +385,18 @@ def _digest(folder: Path) -> str:
 
 
 _RESUMED: dict[tuple[str, str], tuple[bool, str]] = {}  # (layout, checkpoint digest) -> resume outcome
+
+
+def _end_run(token: str, stopped: int | None) -> None:
+    """Kill what is left of a run: a SIGSTOPped victim at once; others with SIGABRT first, so that Python's
+    ``faulthandler`` (on in every rank: ``PYTHONFAULTHANDLER``) writes where each thread was stuck to the log."""
+    left = [pid for pid in _run_pids(token) if pid != stopped]
+    for pid in left:
+        os.kill(pid, signal.SIGABRT)
+    if left:
+        time.sleep(3)
+    for pid in _run_pids(token):
+        os.kill(pid, signal.SIGKILL)
 
 
 def _note_exits(trial: Trial, seen: dict[int, str], pids: dict[int, str], launcher: int) -> None:
@@ -479,7 +499,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--points", nargs="+", default=list(POINTS), choices=list(POINTS))
     parser.add_argument("--root", type=Path, default=Path("fault_runs"), help="where the runs' folders go")
     parser.add_argument("--out", type=Path, default=None, help="write every trial's record here (JSON)")
+    parser.add_argument("--table", type=Path, nargs="+", default=None,
+                        help="only print the table of the trials recorded in these --out files")
     args = parser.parse_args(argv)
+    if args.table is not None:
+        trials = [Trial(**record) for path in args.table for record in json.loads(path.read_text())]
+        print_table(trials, args.timeout)
+        return 0
     root = args.root.resolve()
     references = {layout: run_reference(layout, root, args.timeout) for layout in args.layouts}
     trials = []
