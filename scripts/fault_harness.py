@@ -285,8 +285,11 @@ def launch(layout: str, run_dir: Path, token: str, timeout_s: int, fault: str = 
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1",
                PYTHONFAULTHANDLER="1")
     log = open(run_dir / "log.txt", "wb")
+    # SIGINT as a terminal gives it: a harness started in the background (``&``, nohup) has SIGINT ignored, which
+    # its children would inherit (Python then never raises KeyboardInterrupt)
     return subprocess.Popen(run_args(layout, run_dir, timeout_s, ckpt_path), cwd=ROOT, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def read_losses(run_dir: Path) -> dict[int, float]:
@@ -437,7 +440,7 @@ def _resume(trial: Trial, run_dir: Path, ckpt: Path, timeout_s: int, reference: 
     losses = read_losses(resumed_dir)
     after = int(ckpt.name.rsplit("=", 1)[1])  # the checkpoint's global step
     expected = {step: loss for step, loss in reference.items() if step > after}
-    trial.resume_exact = bool(losses) and losses == expected
+    trial.resume_exact = losses == expected  # none after the last checkpoint: the resumed run only loads it
     trial.resume_note = f"steps {min(losses)}..{max(losses)}" if losses else "no steps"
     if not trial.resume_exact:
         diff = {s: (losses.get(s), expected.get(s)) for s in sorted(set(losses) | set(expected))}
