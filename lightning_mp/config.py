@@ -183,10 +183,16 @@ class SMPConfig:
     """``torch.distributed`` backend. ``None``: ``"gloo"`` on CPU, ``"nccl"`` on CUDA."""
 
     timeout: timedelta = timedelta(minutes=30)
-    """How long a rank waits for a peer (collectives and pipeline messages) before failing with an error. A pipeline
-    stage with no request to work on also fails when no message reaches it for this long within a step (it cannot
-    tell a stuck stage from a slow one), so it must exceed the longest stretch of a step without a message to some
-    stage, e.g. a long computation that stays on one stage."""
+    """How long a rank waits for a peer (the rendezvous at start, collectives, checkpoint saves and pipeline messages)
+    before failing with an error naming the rank it waited for. It is also the watchdog of hangs: a rank that stops
+    answering (stopped, stuck in an endless loop, deadlocked) makes the others fail after this long, so it bounds
+    how long a hung job holds its machines. A pipeline stage with no request to work on fails when no message
+    reaches it for this long within a step (it cannot tell a stuck stage from a slow one), so it must exceed the
+    longest stretch of a step without a message to some stage, e.g. a long computation that stays on one stage.
+    The default, 30 minutes, is ``torch.distributed``'s and Lightning's for CPU process groups: it leaves room for
+    slow steps, the first step's warm-up and a checkpoint save of a large model. Set it to a few times your slowest
+    step or save (and no less than the time all ranks take to start): a shorter one finds a hung rank sooner
+    (``scripts/fault_harness.py`` measures the time to detect one)."""
 
     start_method: Literal["popen", "spawn", "fork"] = "popen"
     """How the processes start: ``"popen"`` re-runs the script per rank (like ``ddp``); ``"spawn"`` / ``"fork"``

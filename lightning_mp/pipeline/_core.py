@@ -255,7 +255,21 @@ class SessionCore:
         never made for divergence."""
         if self._order is None or self._order.rank != 0:
             return
-        last = ("close", self.step, None) if self.error is None else ("error", self.step, str(self.error))
+        if self.error is None:
+            self._notify_followers(("close", self.step, None))
+            return
+        # gloo's send waits for the receiver to post its receive, and a follower
+        # whose own step failed has stopped receiving (it is tearing down, or waiting in a collective for this
+        # rank): a plain send would hold this rank for the whole timeout (measured: 120 s with timeout 120 s, every
+        # rank held, by scripts/fault_harness.py). The notice goes from a daemon thread, waited for briefly.
+        notice = threading.Thread(
+            target=self._notify_followers, args=(("error", self.step, str(self.error)),), daemon=True,
+            name="smp-order-error",
+        )
+        notice.start()
+        notice.join(POLL_S)
+
+    def _notify_followers(self, last: tuple) -> None:
         for follower in range(1, self._order.size):
             try:
                 self._order.send(last, follower)

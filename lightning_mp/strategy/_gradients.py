@@ -59,7 +59,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_mp.strategy._fsdp import ShardedStage, local_tensor
-from lightning_mp.strategy._reducer import GradientReducer
+from lightning_mp.strategy._reducer import GradientReducer, naming_peers
 from lightning_mp.strategy._tied import TiedWeights
 from lightning_mp.topology import ProcessGroups
 from lightning_mp.tp import reduce_replicated_grads, shard_spec
@@ -270,7 +270,8 @@ def all_reduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup, s
             for p in group_params
         ]
         bucket = torch.cat([*chunks, flags])
-        dist.all_reduce(bucket, group=group)
+        with naming_peers("the data-parallel gradient all-reduce", group):
+            dist.all_reduce(bucket, group=group)
         bucket /= size
         offset = 0
         present = bucket[-len(group_params) :].tolist()

@@ -33,15 +33,16 @@ no gradient on any replica keeps none.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["GradientReducer"]
+__all__ = ["GradientReducer", "naming_peers"]
 
 FIRST_BUCKET_BYTES = dist._DEFAULT_FIRST_BUCKET_BYTES  # 1 MiB, DDP's first bucket: the last layers start early
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default ``bucket_cap_mb=25``
@@ -150,9 +151,10 @@ class GradientReducer:
             return False
         if self._armed:  # `flush` was not called (the step failed): do not use a part of the step
             self.flush()
-        for bucket in self._buckets:
-            assert bucket.work is not None
-            bucket.work.wait()
+        with naming_peers("the data-parallel gradient all-reduce", self._group):
+            for bucket in self._buckets:
+                assert bucket.work is not None
+                bucket.work.wait()
         last = self._buckets[-1]
         assert last.flat is not None
         if last.flat[-1].item() > 0:  # some rank was surprised: every rank falls back, from now on
@@ -228,6 +230,32 @@ class GradientReducer:
         bucket.flat = torch.cat([*chunks, torch.tensor(flags, dtype=dtype, device=device)])
         bucket.work = dist.all_reduce(bucket.flat, group=self._group, async_op=True)
         self._launched = index + 1
+
+
+@contextlib.contextmanager
+def naming_peers(what: str, group: dist.ProcessGroup) -> Iterator[None]:
+    """Re-raise a collective over ``group`` that failed as an error naming the global ranks it waited for.
+
+    gloo says "Connection closed by peer [127.0.0.1]:port" when a peer died and "Timed out waiting ... for recv"
+    when one stopped answering, without a rank; the peer's own log (if it could write one) says what it was doing.
+
+    Raises:
+        RuntimeError: ``what`` over ``group`` failed on this rank, naming the other ranks of ``group``, from the
+            backend's error.
+    """
+    try:
+        yield
+    except RuntimeError as err:  # DistBackendError / DistNetworkError are RuntimeErrors
+        ranks = dist.get_process_group_ranks(group)
+        me = dist.get_rank()
+        peers = [rank for rank in ranks if rank != me]
+        who = f"global rank {peers[0]}" if len(peers) == 1 else f"one of global ranks {peers}"
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise RuntimeError(
+            f"{what} over global ranks {ranks} failed on global rank {me}: {who} died or stopped answering"
+            f" ({first_line}). Its own log says what it was doing; a rank that stops answering fails the others"
+            " after `SMPConfig.timeout`."
+        ) from err
 
 
 def _window_gradient(grad: torch.Tensor | None, previous: torch.Tensor | None) -> torch.Tensor | None:
