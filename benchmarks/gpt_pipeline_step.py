@@ -13,9 +13,9 @@ timeline), the number of remote calls per step, the driver's round trips per mic
 (fetches or waiting calls / their backwards; one-way calls are not round trips), the context switches per step
 of each process (``getrusage``, all threads) and the KiB each process sends per microbatch (pickles and tensor
 bytes, ``PipelineEngine.bytes_sent``). ``--tied-weights replicate`` plans the tied embedding/head apart (the head
-and the loss on stage 1); the default co-locates them on stage 0. Runs on CPU with gloo; ``gpt`` is configs/gpt_single.yaml's model,
-``hf-gpt2`` Hugging Face's unmodified ``GPT2LMHeadModel`` (a ``for block in self.h`` loop over a ModuleList) of
-the same size.
+and the loss on stage 1); the default co-locates them on stage 0. Runs on CPU with gloo; ``gpt`` is
+configs/gpt_single.yaml's model, ``hf-gpt2`` Hugging Face's unmodified ``GPT2LMHeadModel`` (a ``for block in
+self.h`` loop over a ModuleList) of the same size.
 """
 
 from __future__ import annotations
@@ -205,7 +205,8 @@ def main() -> None:
             switches = " / ".join(f"{statistics.median(r['switches'][warmup:]):.0f}" for r in results)
             name = f"lightning_mp pp=2 {schedule}{'' if handles else ' eager'}, M={m}"
             kib = " / ".join(f"{r['kib']:.0f}" for r in results)
-            rows.append((name, median_ms(results[0]["times"]), busy, f"{results[0]['calls']:.0f}", trips, switches, kib))
+            calls = f"{results[0]['calls']:.0f}"
+            rows.append((name, median_ms(results[0]["times"]), busy, calls, trips, switches, kib))
 
     what = "HF GPT2LMHeadModel" if MODEL == "hf-gpt2" else "GPT"
     print(f"\n{what} (4 x 128, batch {args.batch_size}, seq 128), forward+backward, median of {args.steps - warmup} steps")

@@ -158,7 +158,7 @@ _META_METHODS = frozenset(("size", "dim", "numel"))
 _META_ATTRIBUTES = frozenset(("shape", "dtype", "device", "ndim"))
 _OWNER_FUNCTIONS = frozenset((
     F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.binary_cross_entropy,
-    F.binary_cross_entropy_with_logits, F.kl_div, F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax,
+    F.binary_cross_entropy_with_logits, F.kl_div, F.log_softmax,
 ))
 
 
@@ -411,8 +411,8 @@ class RemoteValue:
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func in _OWNER_FUNCTIONS:  # [Note: the loss where the logits are]
-            first = next(v for v in pytree.tree_leaves((args, kwargs), is_leaf=_is_remote) if _is_remote(v))
-            if first._rv_may_record((args, kwargs)):
+            first = next((v for v in pytree.tree_leaves((args, kwargs), is_leaf=_is_remote) if _is_remote(v)), None)
+            if first is not None and first._rv_may_record((args, kwargs)):
                 args, kwargs = pytree.tree_map(lambda v: _SELF if v is first else v, (args, kwargs), is_leaf=_is_remote)
                 return first._rv_record(_Op("function", func, args, kwargs, torch.is_grad_enabled()))
         return func(*materialize(args), **materialize(kwargs))

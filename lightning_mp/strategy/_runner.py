@@ -208,7 +208,7 @@ def scaled_loss(output: Any, scale: LossScale | None) -> Tensor | None:
     (see [Note: token-weighted losses]), loss x n x grad_scale / accumulate."""
     if scale is None or output is None:
         return None
-    output = materialize(output)  # a loss computed on its logits' stage is a handle ([Note: the loss where the logits are])
+    output = materialize(output)  # a loss taken on the logits' stage is a handle ([Note: the loss where the logits are])
     loss = output.get("loss") if isinstance(output, Mapping) else output
     if not isinstance(loss, Tensor):
         raise TypeError(
