@@ -10,10 +10,12 @@ call waits for its outputs, as before remote handles); the two variants of a sch
 the same pair of processes. "ideal" is the one-thread time / 2 stages x (M + 1) / M (a perfect 2-stage
 pipeline with its fill/drain bubble). Also printed: per-stage busy time (forward/backward spans of the engine's
 timeline), the number of remote calls per step, the driver's round trips per microbatch forward / backward
-(fetches or waiting calls / their backwards; one-way calls are not round trips) and the context switches per step
-of each process (``getrusage``, all threads). Runs on CPU with gloo; ``gpt`` is configs/gpt_single.yaml's model,
-``hf-gpt2`` Hugging Face's unmodified ``GPT2LMHeadModel`` (a ``for block in self.h`` loop over a ModuleList) of
-the same size.
+(fetches or waiting calls / their backwards; one-way calls are not round trips), the context switches per step
+of each process (``getrusage``, all threads) and the KiB each process sends per microbatch (pickles and tensor
+bytes, ``PipelineEngine.bytes_sent``). ``--tied-weights replicate`` plans the tied embedding/head apart (the head
+and the loss on stage 1); the default co-locates them on stage 0. Runs on CPU with gloo; ``gpt`` is
+configs/gpt_single.yaml's model, ``hf-gpt2`` Hugging Face's unmodified ``GPT2LMHeadModel`` (a ``for block in
+self.h`` loop over a ModuleList) of the same size.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from lightning_mp.pipeline import PipelineEngine, split_microbatches  # noqa: E4
 
 
 MODEL = "gpt"
+TIED_WEIGHTS = "colocate"
 
 
 def _model() -> torch.nn.Module:
@@ -88,9 +91,19 @@ def _transport(plane: str) -> Transport:
     return Transport(group, torch.device("cpu"), make_data_plane(plane, group, torch.device("cpu"), pairs, 300.0))
 
 
+def _copy_ties_apart(model: torch.nn.Module, stage_of: dict[str, int]) -> None:
+    """A module holding a tied parameter on another stage than its first holder gets its own copy, as
+    ``SMPStrategy(tied_weights="replicate")`` gives it (the copies' gradient all-reduce is outside the step here)."""
+    first_stage: dict[int, int] = {}
+    for fqn, module in model.named_modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if first_stage.setdefault(id(param), stage_of[fqn]) != stage_of[fqn]:
+                setattr(module, name, torch.nn.Parameter(param.detach().clone()))
+
+
 def _pipeline_rank(
     rank: int, init_file: str, out_dir: str, steps: int, microbatches: int, schedule: str, batch_size: int, plane: str,
-    model_name: str,
+    model_name: str, tied_weights: str,
 ) -> None:
     """Both variants (remote handles on, off) in the same two processes, alternating step by step."""
     global MODEL
@@ -104,7 +117,9 @@ def _pipeline_rank(
         variants = {}
         for handles in (True, False):
             model = _model()
-            stage_of = plan(trace(model, lambda model=model: _loss(model, parts[0])), 2).stage_of
+            model_trace = trace(model, lambda model=model: _loss(model, parts[0]))
+            stage_of = plan(model_trace, 2, tied_weights=tied_weights).stage_of
+            _copy_ties_apart(model, stage_of)
             engine = PipelineEngine(transport, 2, schedule=schedule, remote_handles=handles)
             engine.install(model, stage_of)
             calls = [0]
@@ -139,7 +154,8 @@ def _pipeline_rank(
         for handles, (model, engine, calls, result) in variants.items():
             sent = engine.messages_sent
             trips = ((sent["get"] + sent["fwd"]) / steps / microbatches, (sent["gbwd"] + sent["bwd"]) / steps / microbatches)
-            out[handles] = {**result, "calls": calls[0] / steps, "trips": trips}
+            kib = sum(engine.bytes_sent.values()) / 1024 / steps / microbatches
+            out[handles] = {**result, "calls": calls[0] / steps, "trips": trips, "kib": kib}
         torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -150,7 +166,7 @@ def pipeline(steps: int, microbatches: int, schedule: str, batch_size: int, plan
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(
             _pipeline_rank,
-            args=(os.path.join(tmp, "rdv"), tmp, steps, microbatches, schedule, batch_size, plane, MODEL),
+            args=(os.path.join(tmp, "rdv"), tmp, steps, microbatches, schedule, batch_size, plane, MODEL, TIED_WEIGHTS),
             nprocs=2,
             join=True,
         )
@@ -164,9 +180,11 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--data-plane", choices=["gloo", "strict_mock"], default="gloo", help="lightning_mp's data plane")
     parser.add_argument("--model", choices=["gpt", "hf-gpt2"], default="gpt")
+    parser.add_argument("--tied-weights", choices=["colocate", "replicate"], default="colocate",
+                        help="the planner's tied_weights (replicate: the head and the loss on stage 1)")
     args = parser.parse_args()
-    global MODEL
-    MODEL = args.model
+    global MODEL, TIED_WEIGHTS
+    MODEL, TIED_WEIGHTS = args.model, args.tied_weights
     warmup = max(2, args.steps // 5)
 
     def median_ms(values: list[float]) -> float:
@@ -174,10 +192,10 @@ def main() -> None:
 
     rows = []
     single = {t: median_ms(one_process(t, args.steps, args.batch_size)) for t in (1, 2)}
-    rows += [(f"one process, {t} thread{'s' if t > 1 else ''}", single[t], "", "", "", "") for t in (1, 2)]
+    rows += [(f"one process, {t} thread{'s' if t > 1 else ''}", single[t], "", "", "", "", "") for t in (1, 2)]
     m = args.microbatches
     ideal = single[1] / 2 * (m + 1) / m
-    rows.append((f"ideal 2-stage pipeline, M={m}", ideal, "", "", "", ""))
+    rows.append((f"ideal 2-stage pipeline, M={m}", ideal, "", "", "", "", ""))
     for schedule in ("interleaved", "simple"):
         both = pipeline(args.steps, m, schedule, args.batch_size, args.data_plane)
         for handles in (True, False):
@@ -186,18 +204,20 @@ def main() -> None:
             trips = " / ".join(f"{t:.0f}" for t in results[0]["trips"])
             switches = " / ".join(f"{statistics.median(r['switches'][warmup:]):.0f}" for r in results)
             name = f"lightning_mp pp=2 {schedule}{'' if handles else ' eager'}, M={m}"
-            rows.append((name, median_ms(results[0]["times"]), busy, f"{results[0]['calls']:.0f}", trips, switches))
+            kib = " / ".join(f"{r['kib']:.0f}" for r in results)
+            calls = f"{results[0]['calls']:.0f}"
+            rows.append((name, median_ms(results[0]["times"]), busy, calls, trips, switches, kib))
 
     what = "HF GPT2LMHeadModel" if MODEL == "hf-gpt2" else "GPT"
     print(f"\n{what} (4 x 128, batch {args.batch_size}, seq 128), forward+backward, median of {args.steps - warmup} steps")
     print(
         f"{'setup':<44} {'ms/step':>8} {'vs 2-thread':>11} {'% of ideal':>10} {'busy ms s0/s1':>14} {'remote calls':>12}"
-        f" {'round trips/mb f/b':>18} {'ctx sw/step r0/r1':>18}"
+        f" {'round trips/mb f/b':>18} {'ctx sw/step r0/r1':>18} {'KiB sent/mb r0/r1':>18}"
     )
-    for name, ms, busy, calls, trips, switches in rows:
+    for name, ms, busy, calls, trips, switches, kib in rows:
         print(
             f"{name:<44} {ms:8.1f} {single[2] / ms:10.2f}x {100 * ideal / ms:9.0f}% {busy:>14} {calls:>12} {trips:>18}"
-            f" {switches:>18}"
+            f" {switches:>18} {kib:>18}"
         )
 
 

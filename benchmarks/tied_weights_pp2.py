@@ -6,11 +6,13 @@ Run (CPU, 2 processes per run, a few minutes)::
 
 Each round runs ``lightning-mp fit --config configs/gpt_pp2.yaml`` once with ``tied_weights: colocate`` and once
 with ``tied_weights: replicate`` (alternating, in one session; the first of each pair alternates too), no
-validation and no checkpoint, and times the steps after the first 10 on global rank 0 (:class:`StepClock`, added to
+validation and no checkpoint, and times the steps after the first 10 on global rank 0 (:class:`StepClock`, in place of
 the config's callbacks). Under ``colocate`` the head runs on stage 0 with the embedding: each microbatch's hidden
-state ``(B, T, C)`` goes 0 -> 1 -> 0. Under ``replicate`` the head runs on stage 1 with a copy of the weight, but the
-loss is computed in ``training_step`` on stage 0 (the driver), so the logits ``(B, T, V)`` (V = 256 = 2C) still come
-back, the head becomes one more remote call per microbatch, and the copy's gradient is all-reduced once per step.
+state ``(B, T, C)`` goes 0 -> 1 -> 0. Under ``replicate`` the head runs on stage 1 with a copy of the weight, and so
+does the loss (``F.cross_entropy`` on the head's output runs where it is: [Note: the loss where the logits are] in
+``pipeline/_handles.py``), so only the scalar loss comes back: the hidden state goes 0 -> 1 only, at the price of a
+metadata round trip (``logits.size(-1)``) per microbatch and an all-reduce of the copy's gradient per step. (Before
+the loss moved, the logits ``(B, T, V)``, V = 256 = 2C, came back to stage 0.)
 Prints a table of per-round steps/s and the ratio replicate / colocate (only the ratio means anything: the machine
 may be shared). Measured on 2 shared CPU cores, 4 rounds: 0.854, 0.975, 0.930, 0.879 (median 0.90).
 """
@@ -54,7 +56,7 @@ def _run(mode: str, steps: int) -> float:
         "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0", "--trainer.enable_checkpointing",
         "false", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
         "--trainer.strategy.init_args.tied_weights", mode,
-        "--trainer.callbacks+=benchmarks.tied_weights_pp2.StepClock",
+        "--trainer.callbacks=benchmarks.tied_weights_pp2.StepClock",  # replaces the config's (a ModelCheckpoint)
     ]
     env = {**os.environ, "PYTHONPATH": os.path.abspath(ROOT)}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)

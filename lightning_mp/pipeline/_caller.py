@@ -18,7 +18,7 @@ import torch
 
 from lightning_mp.comm import connect_remote_outputs, pack
 from lightning_mp.pipeline._core import SessionCore
-from lightning_mp.pipeline._handles import RemoteValue, _PackingFor
+from lightning_mp.pipeline._handles import RemoteValue, _PackingFor, owner_path
 from lightning_mp.pipeline._install import Placement
 from lightning_mp.pipeline._messages import (
     BackwardRequest,
@@ -189,7 +189,7 @@ class Caller:
         self.check_reference(handle)
         task = current_task() or Task(handle._rv_microbatch, Phase.FORWARD)
         fetch_id = self._next_call_id()
-        request = GetRequest(handle._rv_call_id, handle._rv_path, label)
+        request = GetRequest(handle._rv_call_id, owner_path(handle._rv_path), label)
         envelope = self.core.envelope(Kind.GET, fetch_id, request, handle._rv_microbatch)
         reply = self.core.exchange(handle._rv_stage, envelope, task, f"the output of {label!r}")
         outputs = [t for t, rg in zip(reply.tensors, reply.requires_grad) if rg and differentiable(t)]

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from lightning_mp.comm import Message, Transport
+from lightning_mp.comm import Message, Packed, Transport, pack
 from lightning_mp.pipeline._messages import (
     POLL_S,
     CallId,
@@ -52,6 +52,7 @@ class StageInfo:
     rng: MicrobatchRNG
     timeline: TimelineRecorder
     messages_sent: collections.Counter[str]
+    bytes_sent: collections.Counter[str]
 
     def describe(self, stage: int) -> str:
         return f"pipeline stage {stage} (global rank {self.global_ranks[stage]})"
@@ -166,7 +167,7 @@ class SessionCore:
 
     def send(self, message: Any, peer: int, microbatch: int = 0, kind: Kind = Kind.REPLY) -> None:
         """Send one message (an envelope, or a packed one of ``kind``) to ``peer``, recording it on the timeline and
-        counting it in ``messages_sent``.
+        counting it in ``messages_sent`` and its pickle and tensor bytes in ``bytes_sent``.
 
         Raises:
             TypeError: the message itself cannot be sent (``pack`` says why).
@@ -181,8 +182,11 @@ class SessionCore:
                 done = self._done_unsent.pop(peer, None)
             if done:
                 message = dataclasses.replace(message, done=message.done + tuple(done))
+        packed = message if isinstance(message, Packed) else pack(message)
+        with self.lock:
+            self.info.bytes_sent[kind.value] += len(packed.payload) + packed.data_nbytes
         try:
-            self.info.transport.send(message, peer)
+            self.info.transport.send(packed, peer)
         except TypeError:
             raise
         except Exception as err:  # e.g. the peer died: a one-way "call" learns it here, so name the stage

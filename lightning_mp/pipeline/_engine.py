@@ -120,6 +120,8 @@ class PipelineEngine:
         self.gradients = OrderedGradients(current_microbatch)
         self.messages_sent: collections.Counter[str] = collections.Counter()
         """Messages this rank sent, by kind ("call", "get", "gbwd", "fwd", "bwd", "reply", ...), over its lifetime."""
+        self.bytes_sent: collections.Counter[str] = collections.Counter()
+        """Bytes (pickle and tensor data) this rank sent, by message kind, over its lifetime."""
         self.timeline = TimelineRecorder()
         """Off by default; ``timeline.start()`` records every compute span and message (see ``_timeline.py``)."""
 
@@ -255,7 +257,7 @@ class PipelineEngine:
     def _stage_info(self) -> StageInfo:
         return StageInfo(
             self.transport, self.stage, self.num_stages, self.schedule, self.timeout_s, self.global_ranks,
-            self.order_transport, self.rng, self.timeline, self.messages_sent,
+            self.order_transport, self.rng, self.timeline, self.messages_sent, self.bytes_sent,
         )
 
 

@@ -41,9 +41,10 @@ import threading
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
-__all__ = ["RemoteValue", "materialize"]
+__all__ = ["RemoteValue", "materialize", "owner_path"]
 
 _packing = threading.local()  # set while a request is packed for one stage: which handles may go as references
 
@@ -80,15 +81,28 @@ def _identity(value: Any) -> Any:
 
 
 def _step(value: Any, key: Any) -> Any:
-    return value[key]
+    """Caller side: one key of a handle's path applied to a value held here (an index, or a recorded op)."""
+    return key.apply(value, None) if type(key) is _Op else value[key]
+
+
+def follow(root: Any, path: tuple) -> Any:
+    """Owner side: ``root`` (an output of this stage) with every key of ``path`` (owner form) applied."""
+    value = root
+    for key in path:
+        value = key.apply(value, root) if type(key) is _Op else value[key]
+    return value
 
 
 def walk_containers(value: Any, path: tuple) -> tuple[int, Any]:
-    """Owner side of a fetch of ``value[path[0]][path[1]]...``: index only into tuples, lists and dicts (incl.
-    Hugging Face's ``ModelOutput``); return ``(how many keys were used, the value reached)``. The caller indexes
-    the rest itself, so a part of a tensor or of any other object is a view of, or a reference into, the whole,
-    as in eager code (``c = y[0]`` is a view of ``y``)."""
+    """Owner side of a fetch of ``value[path[0]][path[1]]...`` (owner form): apply recorded ops, index only into
+    tuples, lists and dicts (incl. Hugging Face's ``ModelOutput``); return ``(how many keys were used, the value
+    reached)``. The caller indexes the rest itself, so a part of a tensor or of any other object is a view of, or a
+    reference into, the whole, as in eager code (``c = y[0]`` is a view of ``y``)."""
+    root = value
     for depth, key in enumerate(path):
+        if type(key) is _Op:
+            value = key.apply(value, root)
+            continue
         if not isinstance(value, (tuple, list, dict)):
             return depth, value
         value = value[key]
@@ -107,6 +121,134 @@ def _replace(value: Any, key: Any, part: Any) -> Any:
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     value[key] = part
     return value
+
+
+# [Note: the loss where the logits are] A causal LM's loss is a few ops on the head's output: ``logits.reshape(-1,
+# logits.size(-1))`` then ``F.cross_entropy(..., labels)`` (Hugging Face: ``.float()``, ``.view(-1, V)``,
+# ``labels.to(logits.device)``, ``F.cross_entropy``). Fetching the logits for them sends ``B x T x V`` values to the
+# caller and their gradient back, every microbatch. So a handle *records* such ops instead of fetching:
+#
+# - shape ops (``reshape``, ``view``, ``flatten``, ``float``, ``contiguous``, ``transpose``, ``permute``,
+#   ``squeeze``, ``unsqueeze``, indexing with slices) and the functions of ``_OWNER_FUNCTIONS`` (``F``'s losses,
+#   ``log_softmax``; also through ``nn.CrossEntropyLoss`` and the other ``_Loss`` modules, which the fetch pre-hook
+#   leaves alone) return a new handle whose path ends in the op (``_Op``), sending nothing. Recorded only when the
+#   op's other tensor arguments are local, need no gradient and hold at most ``_SMALL_ARGUMENTS_NBYTES`` (labels,
+#   class weights), any other handle among them is a part of the same output, no part of the output has been
+#   fetched yet, and no autocast or inference mode is on (the owner would not see them); otherwise the handle
+#   fetches, as before. The functions are deterministic and draw no random numbers, so where they run does not
+#   change a bit of their result.
+# - metadata (``size()``, ``shape``, ``dim()``, ``numel()``, ``dtype``, ``device``, ``ndim``) comes back as a real
+#   value at once through a fetch of just that value (one small round trip; the owner's output stays there).
+# - fetching a handle whose path ends in a function op (the loss) asks the owner to apply the whole path and sends
+#   back only the result (a scalar), connected to autograd like any fetch: its backward sends one scalar gradient
+#   to the owner, which runs backward through the loss, the head and the chain of calls before it. A handle whose
+#   path ends in a shape op, fetched itself, fetches the output and applies its ops here (so it is a view of the
+#   fetched output, as in eager code). A recorded op passed to a call on the owner goes as a reference: the owner
+#   applies it to its own output (``lm_head(hidden[:, -k:, :])`` sends no hidden states).
+#
+# The owner applies a recorded op when its result is fetched or referenced, not when the caller recorded it: the
+# same result unless a call made in between changed the output in place on the owner (a module doing ``x.relu_()``
+# on its input after the loss was taken from it, in one microbatch): then the loss sees the change.
+
+_SMALL_ARGUMENTS_NBYTES = 1 << 20  # local tensors an op may carry to the owner (labels); larger ones: fetch instead
+_VIEW_METHODS = frozenset((
+    "reshape", "view", "flatten", "float", "contiguous", "transpose", "permute", "squeeze", "unsqueeze",
+))
+_META_METHODS = frozenset(("size", "dim", "numel"))
+_META_ATTRIBUTES = frozenset(("shape", "dtype", "device", "ndim"))
+_OWNER_FUNCTIONS = frozenset((
+    F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.binary_cross_entropy,
+    F.binary_cross_entropy_with_logits, F.kl_div, F.log_softmax,
+))
+
+
+class _SelfValue:
+    """In a recorded function's arguments: the value the op is applied to."""
+
+    def __reduce__(self) -> str:
+        return "_SELF"
+
+
+_SELF = _SelfValue()
+
+
+class _PathArg:
+    """In an op's arguments (owner form): another part of the same output, named by its path from the output."""
+
+    def __init__(self, path: tuple) -> None:
+        self.path = path
+
+
+class _Op:
+    """One operation recorded on a handle, a key of its path (see [Note: the loss where the logits are]).
+
+    ``kind``: ``"view"`` (a shape method), ``"getitem"``, ``"meta"`` / ``"meta_attr"`` (metadata), or
+    ``"function"`` (``target`` called with ``_SELF`` standing for the value). Caller form: other handles among
+    the arguments are ``RemoteValue``s; owner form (``owner``): ``_PathArg``s.
+    """
+
+    __slots__ = ("kind", "target", "args", "kwargs", "grad_enabled")
+
+    def __init__(self, kind: str, target: Any, args: tuple, kwargs: dict, grad_enabled: bool) -> None:
+        self.kind, self.target, self.args, self.kwargs, self.grad_enabled = kind, target, args, kwargs, grad_enabled
+
+    def __reduce__(self) -> Any:
+        return (_Op, (self.kind, self.target, self.args, self.kwargs, self.grad_enabled))
+
+    def owner(self) -> _Op:
+        def convert(v: Any) -> Any:
+            return _PathArg(owner_path(v._rv_path)) if _is_remote(v) else v
+
+        args, kwargs = pytree.tree_map(convert, (self.args, self.kwargs), is_leaf=_is_remote)
+        return _Op(self.kind, self.target, args, kwargs, self.grad_enabled)
+
+    def apply(self, value: Any, root: Any) -> Any:
+        """The op on ``value``; ``root``: the owner's whole output (owner form), ``None`` here (caller form)."""
+
+        def resolve_arg(v: Any) -> Any:
+            if type(v) is _PathArg:
+                return follow(root, v.path)
+            if type(v) is _SelfValue:
+                return value
+            return v._rv_materialize() if _is_remote(v) else v
+
+        args, kwargs = pytree.tree_map(resolve_arg, (self.args, self.kwargs),
+                                       is_leaf=lambda v: _is_remote(v) or type(v) in (_PathArg, _SelfValue))
+        with torch.set_grad_enabled(self.grad_enabled):
+            if self.kind == "function":
+                return self.target(*args, **kwargs)
+            if self.kind == "getitem":
+                return value[args[0]]
+            if self.kind == "meta_attr":
+                return getattr(value, self.target)
+            return getattr(value, self.target)(*args, **kwargs)
+
+
+def owner_path(path: tuple) -> tuple:
+    """``path`` as sent to the owner: recorded ops in owner form."""
+    return tuple(key.owner() if type(key) is _Op else key for key in path)
+
+
+def _autocast_on() -> bool:
+    return any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
+
+
+class _RecordedMethod:
+    """``handle.reshape`` and the like: calling it records the op (or fetches, where it may not be recorded)."""
+
+    def __init__(self, handle: RemoteValue, name: str) -> None:
+        self.handle, self.name = handle, name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        handle = self.handle
+        if not handle._rv_may_record((args, kwargs)):
+            return getattr(handle._rv_materialize(), self.name)(*args, **kwargs)
+        meta = self.name in _META_METHODS
+        child = handle._rv_record(_Op("meta" if meta else "view", self.name, args, kwargs, torch.is_grad_enabled()))
+        return child._rv_materialize() if meta else child
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(getattr(self.handle._rv_materialize(), self.name), name)
 
 
 class RemoteValue:
@@ -137,6 +279,11 @@ class RemoteValue:
         self._rv_value: Any = None
         self._rv_children: dict[Any, RemoteValue] = {}
         self._rv_lock = parent._rv_lock if parent is not None else threading.RLock()  # one per call's output
+        # [Note: the loss where the logits are]: the op this handle's path ends in; whether its path holds one;
+        # whether fetching it fetches the output and applies the path's shape ops here
+        self._rv_op: _Op | None = None
+        self._rv_has_op = parent._rv_has_op if parent is not None else False
+        self._rv_local = parent._rv_local if parent is not None else False
 
     # ---- fetching -------------------------------------------------------------------------------------------
 
@@ -145,10 +292,12 @@ class RemoteValue:
             return self._rv_value
         with self._rv_lock:
             if not self._rv_fetched:
-                if self._rv_fetched_above():  # a part of a fetched value: index it here (a view of a tensor)
+                if self._rv_fetched_above() or self._rv_local or (self._rv_has_op and self._rv_touched[0]):
+                    # a part of a fetched value, or shape ops: index / apply them here (a view of a tensor)
                     value = _step(self._rv_parent._rv_materialize(), self._rv_path[-1])
                 else:
-                    self._rv_touched[0] = True
+                    if self._rv_op is None:  # an op's result is a new value: nothing here can change the owner's
+                        self._rv_touched[0] = True
                     depth, value = self._rv_session.fetch(self)
                     if depth < len(self._rv_path):  # the owner sent the value this is a part of (not a container)
                         owner_of = self
@@ -186,7 +335,7 @@ class RemoteValue:
         if packing is not None and packing.stage == self._rv_stage and not self._rv_touched[0]:
             packing.session.check_reference(self)
             packing.refs.append(self)
-            return (_make_ref, (self._rv_call_id, self._rv_path, self._rv_microbatch))
+            return (_make_ref, (self._rv_call_id, owner_path(self._rv_path), self._rv_microbatch))
         return (_identity, (self._rv_materialize(),))
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -199,6 +348,8 @@ class RemoteValue:
 
     def __getitem__(self, key: Any) -> Any:
         if self._rv_fetched or type(key) not in (int, str):
+            if not self._rv_fetched and _plain_index(key) and self._rv_may_record(()):
+                return self._rv_record(_Op("getitem", None, (key,), {}, torch.is_grad_enabled()))
             return self._rv_materialize()[key]
         with self._rv_lock:
             child = self._rv_children.get(key)
@@ -209,11 +360,43 @@ class RemoteValue:
                 )
         return child
 
+    # ---- ops recorded for the owner ([Note: the loss where the logits are]) -----------------------------------
+
+    def _rv_may_record(self, tree: Any) -> bool:
+        """Whether an op on this handle with the arguments ``tree`` may be recorded instead of fetching."""
+        if type(self) is not RemoteValue or self._rv_fetched or self._rv_touched[0] or self._rv_fetched_above():
+            return False
+        if torch.is_inference_mode_enabled() or _autocast_on():
+            return False
+        nbytes = 0
+        for leaf in pytree.tree_leaves(tree, is_leaf=_is_remote):
+            if _is_remote(leaf):
+                if (type(leaf) is not RemoteValue or leaf._rv_session is not self._rv_session
+                        or leaf._rv_call_id != self._rv_call_id or leaf._rv_fetched):
+                    return False
+            elif isinstance(leaf, torch.Tensor):
+                if type(leaf) is not torch.Tensor or leaf.requires_grad:
+                    return False
+                nbytes += leaf.nbytes
+        return nbytes <= _SMALL_ARGUMENTS_NBYTES
+
+    def _rv_record(self, op: _Op) -> RemoteValue:
+        """A handle for ``op`` applied to this one's value; nothing is sent."""
+        child = RemoteValue(self._rv_session, self._rv_stage, self._rv_call_id, self._rv_microbatch,
+                            self._rv_path + (op,), self, self._rv_upstream, self._rv_label)
+        child._rv_op, child._rv_has_op, child._rv_local = op, True, op.kind in ("view", "getitem")
+        return child
+
     # ---- everything else fetches ----------------------------------------------------------------------------
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_rv_"):  # not set yet (copy/unpickle of a bare instance)
             raise AttributeError(name)
+        if type(self) is RemoteValue and not self._rv_fetched:
+            if name in _VIEW_METHODS or name in _META_METHODS:
+                return _RecordedMethod(self, name)
+            if name in _META_ATTRIBUTES and self._rv_may_record(()):
+                return self._rv_record(_Op("meta_attr", name, (), {}, torch.is_grad_enabled()))._rv_materialize()
         return getattr(self._rv_materialize(), name)
 
     @property  # type: ignore[misc]
@@ -226,7 +409,13 @@ class RemoteValue:
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        return func(*materialize(args), **materialize(kwargs or {}))
+        kwargs = kwargs or {}
+        if func in _OWNER_FUNCTIONS:  # [Note: the loss where the logits are]
+            first = next((v for v in pytree.tree_leaves((args, kwargs), is_leaf=_is_remote) if _is_remote(v)), None)
+            if first is not None and first._rv_may_record((args, kwargs)):
+                args, kwargs = pytree.tree_map(lambda v: _SELF if v is first else v, (args, kwargs), is_leaf=_is_remote)
+                return first._rv_record(_Op("function", func, args, kwargs, torch.is_grad_enabled()))
+        return func(*materialize(args), **materialize(kwargs))
 
     def __setitem__(self, key: Any, value: Any) -> None:
         self._rv_materialize()[key] = materialize(value)
@@ -347,9 +536,22 @@ def materialize(tree: Any) -> Any:
     return pytree.tree_map(lambda v: v._rv_materialize() if _is_remote(v) else v, tree, is_leaf=_is_remote)
 
 
+def _plain_index(key: Any) -> bool:
+    """Whether ``key`` indexes by position only (ints, slices of ints, ``None``, ``...``, tuples of those)."""
+    if type(key) is tuple:
+        return all(_plain_index(k) for k in key)
+    if type(key) is slice:
+        return all(type(b) in (int, type(None)) for b in (key.start, key.stop, key.step))
+    return key is None or key is Ellipsis or type(key) is int
+
+
 def _fetch_module_inputs(module: Any, args: tuple) -> tuple | None:
     """Global forward pre-hook: a local module gets values, not handles, as its positional arguments (torch's global
-    pre-hooks see no keyword arguments; handles there, or deeper in containers, fetch when touched)."""
+    pre-hooks see no keyword arguments; handles there, or deeper in containers, fetch when touched). A loss module
+    (``nn.CrossEntropyLoss``, ...) keeps them: its ``F`` function runs on the owner ([Note: the loss where the
+    logits are])."""
+    if isinstance(module, torch.nn.modules.loss._Loss):
+        return None
     if any(_is_remote(a) for a in args):
         return tuple(a._rv_materialize() if _is_remote(a) else a for a in args)
     return None

@@ -18,7 +18,7 @@ import torch
 
 from lightning_mp.comm import Message, pack, ragged_like
 from lightning_mp.pipeline._core import SessionCore
-from lightning_mp.pipeline._handles import _PackingFor, resolve, walk_containers
+from lightning_mp.pipeline._handles import _PackingFor, follow, resolve, walk_containers
 from lightning_mp.pipeline._messages import (
     CallId,
     CallRequest,
@@ -156,15 +156,13 @@ class OutputStore:
             )
 
     def resolve(self, call_id: CallId, path: tuple, microbatch: int) -> Any:
-        """This stage's output of ``call_id``, then ``value[key]`` for each key of ``path``."""
+        """This stage's output of ``call_id``, then each key of ``path`` (an index or a recorded op) applied."""
         status, value = self._future(call_id, microbatch).wait(
             self.core.timeout_s, self.core.raise_if_failed, "the output of an earlier call"
         )
         if status != "ok":
             raise PipelineError(value)
-        for key in path:
-            value = value[key]
-        return value
+        return follow(value, path)
 
     # ---- requests on the stored values -----------------------------------------------------------------------
 

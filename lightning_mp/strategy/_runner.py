@@ -29,7 +29,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_mp.pipeline import MicrobatchSplitError, PipelineEngine, merge_microbatches, split_batch
+from lightning_mp.pipeline import MicrobatchSplitError, PipelineEngine, materialize, merge_microbatches, split_batch
 from lightning_mp.strategy._logs import LogRecorder, StepSummary, replay_logs
 from lightning_mp.strategy._metrics import load_metric_log
 from lightning_mp.strategy._precision import loss_scale_of
@@ -208,6 +208,7 @@ def scaled_loss(output: Any, scale: LossScale | None) -> Tensor | None:
     (see [Note: token-weighted losses]), loss x n x grad_scale / accumulate."""
     if scale is None or output is None:
         return None
+    output = materialize(output)  # a loss taken on the logits' stage is a handle ([Note: the loss where the logits are])
     loss = output.get("loss") if isinstance(output, Mapping) else output
     if not isinstance(loss, Tensor):
         raise TypeError(

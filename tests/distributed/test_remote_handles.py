@@ -65,7 +65,7 @@ def _touching_step(model: Touchy, batch, log) -> torch.Tensor:
     a = model.blocks[2](h)
     b = model.blocks[3](a)  # a handle into a call on its own stage: no fetch
     log("chain")
-    rows = b.shape[0]  # fetches b
+    rows = b.shape[0]  # fetches b's shape only (b stays on stage 1)
     log("shape")
     s = model.score(model.blocks[3](h))  # two calls on stage 1, nothing fetched
     log("score")
@@ -79,11 +79,12 @@ def _touching_step(model: Touchy, batch, log) -> torch.Tensor:
     log("calls")
     e = d * 2.0 if t > 0 else d * 3.0  # the branch fetches t, the product fetches d
     log("branch")
-    out = model.head(b + e).squeeze(-1)
+    out = model.head(b + e).squeeze(-1)  # the sum fetches b
+    log("sum")
     return F.mse_loss(out, y) + 0.1 * s * (1.0 + 0.0 * value) + 0.0 * rows
 
 
-EXPECTED_FETCHES = {"chain": 0, "shape": 1, "score": 0, "item": 1, "inplace": 1, "calls": 0, "branch": 2}
+EXPECTED_FETCHES = {"chain": 0, "shape": 1, "score": 0, "item": 1, "inplace": 1, "calls": 0, "branch": 2, "sum": 1}
 
 
 def _reference(step, make_model, microbatches: int, batch_fn=_batch, steps: int = 2) -> dict:
@@ -113,7 +114,7 @@ def _pipelined(rank: int, world: int, step, make_model, placement: dict, microba
     engine = PipelineEngine(transport, world, active_microbatches=active, timeout_s=60, remote_handles=True)
     engine.install(model, expand_placement(model, placement))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    losses, grads, fetches, kinds = [], {}, [], []
+    losses, grads, fetches, kinds, sent = [], {}, [], [], []
     last = [0]
 
     def log(name: str) -> None:
@@ -123,7 +124,7 @@ def _pipelined(rank: int, world: int, step, make_model, placement: dict, microba
 
     for index in range(steps):
         optimizer.zero_grad()
-        before = dict(engine.messages_sent)
+        before, bytes_before = dict(engine.messages_sent), sum(engine.bytes_sent.values())
         with engine.session() as session:
             if engine.is_driver:
                 parts = split_microbatches(batch_fn(index), microbatches)
@@ -135,13 +136,14 @@ def _pipelined(rank: int, world: int, step, make_model, placement: dict, microba
             else:
                 loss = session.serve()
         kinds.append({k: v - before.get(k, 0) for k, v in engine.messages_sent.items() if v - before.get(k, 0)})
+        sent.append(sum(engine.bytes_sent.values()) - bytes_before)
         if index == 0:
             grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         optimizer.step()
         losses.append(float(loss))
     return {
         "losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-        "fetches": fetches, "kinds": kinds,
+        "fetches": fetches, "kinds": kinds, "bytes": sent,
     }
 
 
