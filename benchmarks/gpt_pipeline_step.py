@@ -3,6 +3,7 @@
 Measures forward+backward of one batch (no optimizer, no Lightning) so the table shows the engine itself:
 
     python benchmarks/gpt_pipeline_step.py [--model gpt|hf-gpt2] [--steps 20] [--microbatches 4] [--batch-size 32]
+        [--malloc retain|glibc]
 
 Rows: one process with 1 and 2 intra-op threads (the peer: plain PyTorch), and the pipeline on 2 processes with
 1 thread each, for both schedules, each with remote handles and "eager" (``remote_handles=False``: every remote
@@ -11,7 +12,13 @@ the same pair of processes. "ideal" is the one-thread time / 2 stages x (M + 1) 
 pipeline with its fill/drain bubble). Also printed: per-stage busy time (forward/backward spans of the engine's
 timeline), the number of remote calls per step, the driver's round trips per microbatch forward / backward
 (fetches or waiting calls / their backwards; one-way calls are not round trips) and the context switches per step
-of each process (``getrusage``, all threads). Runs on CPU with gloo; ``gpt`` is configs/gpt_single.yaml's model,
+and minor page faults per step of each process (``getrusage``, all threads). "M=4 in turn" is the peer of the
+engine's compute: the same microbatches one after the other (forward, backward) in one thread of rank 0's
+process while rank 1 waits, alternating step by step with the pipeline; the last lines give the engine's compute
+(busy s0 + s1) and CPU time (both processes) per step against it. The ranks run under ``SMPStrategy``'s malloc
+policy (``--malloc glibc``: glibc's default; [Note: engine threads and glibc malloc] in
+``lightning_mp/memory/_host.py``); the one-process rows in the launching process under glibc's default (plain
+PyTorch). Runs on CPU with gloo; ``gpt`` is configs/gpt_single.yaml's model,
 ``hf-gpt2`` Hugging Face's unmodified ``GPT2LMHeadModel`` (a ``for block in self.h`` loop over a ModuleList) of
 the same size.
 """
@@ -36,6 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from examples.gpt import GPT  # noqa: E402
 from lightning_mp.comm import Transport, make_data_plane  # noqa: E402
+from lightning_mp.memory._host import retain_freed_memory  # noqa: E402
 from lightning_mp.topology import build_pair_groups  # noqa: E402
 from lightning_mp.partition import plan, trace  # noqa: E402
 from lightning_mp.pipeline import PipelineEngine, split_microbatches  # noqa: E402
@@ -79,6 +87,13 @@ def one_process(threads: int, steps: int, batch_size: int) -> list[float]:
     return times
 
 
+def _microbatches_in_one_thread(model: torch.nn.Module, parts: list) -> None:
+    """The step's microbatches one after the other in this thread, each forward then backward (the same compute
+    as the pipeline's stages together)."""
+    for part in parts:
+        (_loss(model, part) / len(parts)).backward()
+
+
 def _transport(plane: str) -> Transport:
     """The pipeline transport on ``plane``: ``gloo`` (default) or ``strict_mock`` (NCCL's rules on gloo)."""
     group = dist.new_group([0, 1])
@@ -88,14 +103,20 @@ def _transport(plane: str) -> Transport:
     return Transport(group, torch.device("cpu"), make_data_plane(plane, group, torch.device("cpu"), pairs, 300.0))
 
 
+def _cpu_s(usage: resource.struct_rusage) -> float:
+    return usage.ru_utime + usage.ru_stime
+
+
 def _pipeline_rank(
     rank: int, init_file: str, out_dir: str, steps: int, microbatches: int, schedule: str, batch_size: int, plane: str,
-    model_name: str,
+    model_name: str, malloc: str,
 ) -> None:
     """Both variants (remote handles on, off) in the same two processes, alternating step by step."""
     global MODEL
     MODEL = model_name
     torch.set_num_threads(1)
+    if malloc == "retain":
+        assert retain_freed_memory()  # as SMPStrategy sets it in every pipelined rank
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(minutes=5))
     try:
         batch = _batch(batch_size)
@@ -114,8 +135,20 @@ def _pipeline_rank(
                 return call_remote(*args, **kwargs)
 
             engine.call_remote = counted
-            variants[handles] = (model, engine, calls, {"times": [], "busy": [], "switches": []})
+            variants[handles] = (model, engine, calls, {"times": [], "busy": [], "switches": [], "faults": [], "cpu": []})
+        reference_model = _model()
+        reference = {"times": [], "switches": [], "faults": [], "cpu": []}
         for _ in range(steps):
+            dist.barrier()  # rank 0 computes alone, rank 1 waits: the one-process peer of the engine's compute
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            start = time.perf_counter()
+            if rank == 0:
+                _microbatches_in_one_thread(reference_model, parts)
+            reference["times"].append(time.perf_counter() - start)
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            reference["switches"].append(after.ru_nvcsw + after.ru_nivcsw - usage.ru_nvcsw - usage.ru_nivcsw)
+            reference["faults"].append(after.ru_minflt - usage.ru_minflt)
+            reference["cpu"].append(_cpu_s(after) - _cpu_s(usage))
             for handles, (model, engine, calls, result) in variants.items():
                 dist.barrier()
                 usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -133,6 +166,8 @@ def _pipeline_rank(
                 result["times"].append(time.perf_counter() - start)
                 after = resource.getrusage(resource.RUSAGE_SELF)
                 result["switches"].append(after.ru_nvcsw + after.ru_nivcsw - usage.ru_nvcsw - usage.ru_nivcsw)
+                result["faults"].append(after.ru_minflt - usage.ru_minflt)
+                result["cpu"].append(_cpu_s(after) - _cpu_s(usage))
                 events = engine.timeline.stop()
                 result["busy"].append(sum(e.duration_s for e in events if e.category in ("forward", "backward")))
         out = {}
@@ -140,17 +175,20 @@ def _pipeline_rank(
             sent = engine.messages_sent
             trips = ((sent["get"] + sent["fwd"]) / steps / microbatches, (sent["gbwd"] + sent["bwd"]) / steps / microbatches)
             out[handles] = {**result, "calls": calls[0] / steps, "trips": trips}
+        out["reference"] = reference
         torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def pipeline(steps: int, microbatches: int, schedule: str, batch_size: int, plane: str = "gloo") -> list[dict]:
-    """Per rank: {remote_handles: result}, both variants measured in one pair of processes."""
+def pipeline(
+    steps: int, microbatches: int, schedule: str, batch_size: int, plane: str = "gloo", malloc: str = "retain"
+) -> list[dict]:
+    """Per rank: {remote_handles: result, "reference": the one-thread run}, measured in one pair of processes."""
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(
             _pipeline_rank,
-            args=(os.path.join(tmp, "rdv"), tmp, steps, microbatches, schedule, batch_size, plane, MODEL),
+            args=(os.path.join(tmp, "rdv"), tmp, steps, microbatches, schedule, batch_size, plane, MODEL, malloc),
             nprocs=2,
             join=True,
         )
@@ -164,6 +202,10 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--data-plane", choices=["gloo", "strict_mock"], default="gloo", help="lightning_mp's data plane")
     parser.add_argument("--model", choices=["gpt", "hf-gpt2"], default="gpt")
+    parser.add_argument(
+        "--malloc", choices=["retain", "glibc"], default="retain",
+        help="the ranks' malloc policy: SMPStrategy's (memory._host.retain_freed_memory) or glibc's default",
+    )
     args = parser.parse_args()
     global MODEL
     MODEL = args.model
@@ -174,32 +216,51 @@ def main() -> None:
 
     rows = []
     single = {t: median_ms(one_process(t, args.steps, args.batch_size)) for t in (1, 2)}
-    rows += [(f"one process, {t} thread{'s' if t > 1 else ''}", single[t], "", "", "", "") for t in (1, 2)]
+    rows += [(f"one process, {t} thread{'s' if t > 1 else ''}", single[t], "", "", "", "", "") for t in (1, 2)]
     m = args.microbatches
     ideal = single[1] / 2 * (m + 1) / m
-    rows.append((f"ideal 2-stage pipeline, M={m}", ideal, "", "", "", ""))
+    rows.append((f"ideal 2-stage pipeline, M={m}", ideal, "", "", "", "", ""))
+    compute = []  # (schedule, handles, engine compute / one-process compute of the same microbatches)
     for schedule in ("interleaved", "simple"):
-        both = pipeline(args.steps, m, schedule, args.batch_size, args.data_plane)
+        both = pipeline(args.steps, m, schedule, args.batch_size, args.data_plane, args.malloc)
+        reference = both[0]["reference"]
+        faults = f"{statistics.median(reference['faults'][warmup:]):.0f} / -"
+        name = f"one process, 1 thread, M={m} in turn ({schedule} run)"
+        rows.append((name, median_ms(reference["times"]), "", "", "", "", faults))
         for handles in (True, False):
             results = [r[handles] for r in both]
             busy = " / ".join(f"{median_ms(r['busy']):.0f}" for r in results)
             trips = " / ".join(f"{t:.0f}" for t in results[0]["trips"])
             switches = " / ".join(f"{statistics.median(r['switches'][warmup:]):.0f}" for r in results)
+            faults = " / ".join(f"{statistics.median(r['faults'][warmup:]):.0f}" for r in results)
             name = f"lightning_mp pp=2 {schedule}{'' if handles else ' eager'}, M={m}"
-            rows.append((name, median_ms(results[0]["times"]), busy, f"{results[0]['calls']:.0f}", trips, switches))
+            rows.append(
+                (name, median_ms(results[0]["times"]), busy, f"{results[0]['calls']:.0f}", trips, switches, faults)
+            )
+            busy_sum = sum(median_ms(r["busy"]) for r in results)
+            cpu_sum = sum(median_ms(r["cpu"]) for r in results)
+            compute.append((name, busy_sum, median_ms(reference["times"]), cpu_sum, median_ms(reference["cpu"])))
 
     what = "HF GPT2LMHeadModel" if MODEL == "hf-gpt2" else "GPT"
     print(f"\n{what} (4 x 128, batch {args.batch_size}, seq 128), forward+backward, median of {args.steps - warmup} steps")
     print(
-        f"{'setup':<44} {'ms/step':>8} {'vs 2-thread':>11} {'% of ideal':>10} {'busy ms s0/s1':>14} {'remote calls':>12}"
-        f" {'round trips/mb f/b':>18} {'ctx sw/step r0/r1':>18}"
+        f"{'setup':<48} {'ms/step':>8} {'vs 2-thread':>11} {'% of ideal':>10} {'busy ms s0/s1':>14} {'remote calls':>12}"
+        f" {'round trips/mb f/b':>18} {'ctx sw/step r0/r1':>18} {'minflt/step r0/r1':>18}"
     )
-    for name, ms, busy, calls, trips, switches in rows:
+    for name, ms, busy, calls, trips, switches, faults in rows:
         print(
-            f"{name:<44} {ms:8.1f} {single[2] / ms:10.2f}x {100 * ideal / ms:9.0f}% {busy:>14} {calls:>12} {trips:>18}"
-            f" {switches:>18}"
+            f"{name:<48} {ms:8.1f} {single[2] / ms:10.2f}x {100 * ideal / ms:9.0f}% {busy:>14} {calls:>12} {trips:>18}"
+            f" {switches:>18} {faults:>18}"
         )
-
+    print(
+        "\nengine compute (busy s0 + s1) / the same microbatches in one thread of rank 0's process (same run), and"
+        " CPU time per step (both processes, all threads) / that run's:"
+    )
+    for name, busy_sum, reference_ms, cpu_sum, reference_cpu in compute:
+        print(
+            f"{name:<48} compute {busy_sum:6.0f} / {reference_ms:6.0f} ms = {busy_sum / reference_ms:.2f}"
+            f"   CPU {cpu_sum:6.0f} / {reference_cpu:6.0f} ms = {cpu_sum / reference_cpu:.2f}"
+        )
 
 if __name__ == "__main__":
     main()
