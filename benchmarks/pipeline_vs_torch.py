@@ -56,7 +56,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from lightning_mp.comm import Transport, make_data_plane  # noqa: E402
-from lightning_mp.memory._host import retain_freed_memory  # noqa: E402
+from lightning_mp.memory import retain_freed_memory  # noqa: E402
 from lightning_mp.topology import build_pair_groups  # noqa: E402
 from lightning_mp.pipeline import PipelineEngine, split_microbatches  # noqa: E402
 
