@@ -3,7 +3,7 @@
 Measures forward+backward of one batch (no optimizer, no Lightning) so the table shows the engine itself:
 
     python benchmarks/gpt_pipeline_step.py [--model gpt|hf-gpt2] [--steps 20] [--microbatches 4] [--batch-size 32]
-        [--malloc retain|glibc]
+        [--malloc retain|glibc] [--schedules interleaved simple]
 
 Rows: one process with 1 and 2 intra-op threads (the peer: plain PyTorch), and the pipeline on 2 processes with
 1 thread each, for both schedules, each with remote handles and "eager" (``remote_handles=False``: every remote
@@ -15,7 +15,7 @@ timeline), the number of remote calls per step, the driver's round trips per mic
 and minor page faults per step of each process (``getrusage``, all threads). "M=4 in turn" is the peer of the
 engine's compute: the same microbatches one after the other (forward, backward) in one thread of rank 0's
 process while rank 1 waits, alternating step by step with the pipeline; the last lines give the engine's compute
-(busy s0 + s1) and CPU time (both processes) per step against it. The ranks run under ``SMPStrategy``'s malloc
+(busy s0 + s1; in wall and in thread CPU time: ``TokenCPU``) and CPU time (both processes) per step against it. The ranks run under ``SMPStrategy``'s malloc
 policy (``--malloc glibc``: glibc's default; [Note: engine threads and glibc malloc] in
 ``lightning_mp/memory/_host.py``); the one-process rows in the launching process under glibc's default (plain
 PyTorch). Runs on CPU with gloo; ``gpt`` is configs/gpt_single.yaml's model,
@@ -31,6 +31,7 @@ import resource
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from datetime import timedelta
 
@@ -47,6 +48,7 @@ from lightning_mp.memory import retain_freed_memory  # noqa: E402
 from lightning_mp.topology import build_pair_groups  # noqa: E402
 from lightning_mp.partition import plan, trace  # noqa: E402
 from lightning_mp.pipeline import PipelineEngine, split_microbatches  # noqa: E402
+from lightning_mp.pipeline._scheduler import ComputeToken  # noqa: E402
 
 
 MODEL = "gpt"
@@ -107,6 +109,30 @@ def _cpu_s(usage: resource.struct_rusage) -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+class TokenCPU:
+    """Thread CPU time spent holding the engine's compute token, summed over this process's threads: the compute
+    spans' CPU, which a loaded machine's preemptions do not stretch (their wall time it does)."""
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+        self._local = threading.local()
+        acquire, release = ComputeToken.acquire, ComputeToken.release
+
+        def timed_acquire(token: ComputeToken, *args, **kwargs) -> None:
+            acquire(token, *args, **kwargs)
+            self._local.since = time.thread_time()
+
+        def timed_release(token: ComputeToken) -> bool:
+            released = release(token)
+            since = getattr(self._local, "since", None)
+            if released and since is not None:
+                self.total_s += time.thread_time() - since  # one holder at a time: no race on the sum
+                self._local.since = None
+            return released
+
+        ComputeToken.acquire, ComputeToken.release = timed_acquire, timed_release
+
+
 def _pipeline_rank(
     rank: int, init_file: str, out_dir: str, steps: int, microbatches: int, schedule: str, batch_size: int, plane: str,
     model_name: str, malloc: str,
@@ -117,6 +143,7 @@ def _pipeline_rank(
     torch.set_num_threads(1)
     if malloc == "retain":
         assert retain_freed_memory()  # as SMPStrategy sets it in every pipelined rank
+    token_cpu = TokenCPU()
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(minutes=5))
     try:
         batch = _batch(batch_size)
@@ -135,7 +162,7 @@ def _pipeline_rank(
                 return call_remote(*args, **kwargs)
 
             engine.call_remote = counted
-            variants[handles] = (model, engine, calls, {"times": [], "busy": [], "switches": [], "faults": [], "cpu": []})
+            variants[handles] = (model, engine, calls, {"times": [], "busy": [], "switches": [], "faults": [], "cpu": [], "busy_cpu": []})
         reference_model = _model()
         reference = {"times": [], "switches": [], "faults": [], "cpu": []}
         for _ in range(steps):
@@ -154,6 +181,7 @@ def _pipeline_rank(
                 usage = resource.getrusage(resource.RUSAGE_SELF)
                 start = time.perf_counter()
                 engine.timeline.start()
+                token_cpu.total_s = 0.0
                 with engine.session() as session:
                     if engine.is_driver:
                         session.drive(
@@ -164,6 +192,7 @@ def _pipeline_rank(
                     else:
                         session.serve()
                 result["times"].append(time.perf_counter() - start)
+                result["busy_cpu"].append(token_cpu.total_s)
                 after = resource.getrusage(resource.RUSAGE_SELF)
                 result["switches"].append(after.ru_nvcsw + after.ru_nivcsw - usage.ru_nvcsw - usage.ru_nivcsw)
                 result["faults"].append(after.ru_minflt - usage.ru_minflt)
@@ -202,6 +231,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--data-plane", choices=["gloo", "strict_mock"], default="gloo", help="lightning_mp's data plane")
     parser.add_argument("--model", choices=["gpt", "hf-gpt2"], default="gpt")
+    parser.add_argument("--schedules", nargs="+", choices=["interleaved", "simple"], default=["interleaved", "simple"])
     parser.add_argument(
         "--malloc", choices=["retain", "glibc"], default="retain",
         help="the ranks' malloc policy: SMPStrategy's (memory._host.retain_freed_memory) or glibc's default",
@@ -221,7 +251,7 @@ def main() -> None:
     ideal = single[1] / 2 * (m + 1) / m
     rows.append((f"ideal 2-stage pipeline, M={m}", ideal, "", "", "", "", ""))
     compute = []  # (schedule, handles, engine compute / one-process compute of the same microbatches)
-    for schedule in ("interleaved", "simple"):
+    for schedule in args.schedules:
         both = pipeline(args.steps, m, schedule, args.batch_size, args.data_plane, args.malloc)
         reference = both[0]["reference"]
         faults = f"{statistics.median(reference['faults'][warmup:]):.0f} / -"
@@ -238,8 +268,10 @@ def main() -> None:
                 (name, median_ms(results[0]["times"]), busy, f"{results[0]['calls']:.0f}", trips, switches, faults)
             )
             busy_sum = sum(median_ms(r["busy"]) for r in results)
+            busy_cpu_sum = sum(median_ms(r["busy_cpu"]) for r in results)
             cpu_sum = sum(median_ms(r["cpu"]) for r in results)
-            compute.append((name, busy_sum, median_ms(reference["times"]), cpu_sum, median_ms(reference["cpu"])))
+            reference_ms, reference_cpu = median_ms(reference["times"]), median_ms(reference["cpu"])
+            compute.append((name, busy_sum, busy_cpu_sum, cpu_sum, reference_ms, reference_cpu))
 
     what = "HF GPT2LMHeadModel" if MODEL == "hf-gpt2" else "GPT"
     print(f"\n{what} (4 x 128, batch {args.batch_size}, seq 128), forward+backward, median of {args.steps - warmup} steps")
@@ -253,13 +285,15 @@ def main() -> None:
             f" {switches:>18} {faults:>18}"
         )
     print(
-        "\nengine compute (busy s0 + s1) / the same microbatches in one thread of rank 0's process (same run), and"
-        " CPU time per step (both processes, all threads) / that run's:"
+        "\nthe engine against the same microbatches in one thread of rank 0's process (same run): compute spans (busy"
+        " s0 + s1, wall) / that run's wall time; the spans' thread CPU time / that run's CPU time; CPU time per step"
+        " of both processes (all threads) / that run's"
     )
-    for name, busy_sum, reference_ms, cpu_sum, reference_cpu in compute:
+    for name, busy_sum, busy_cpu_sum, cpu_sum, reference_ms, reference_cpu in compute:
         print(
             f"{name:<48} compute {busy_sum:6.0f} / {reference_ms:6.0f} ms = {busy_sum / reference_ms:.2f}"
-            f"   CPU {cpu_sum:6.0f} / {reference_cpu:6.0f} ms = {cpu_sum / reference_cpu:.2f}"
+            f"   compute CPU {busy_cpu_sum:6.0f} / {reference_cpu:6.0f} ms = {busy_cpu_sum / reference_cpu:.2f}"
+            f"   process CPU {cpu_sum:6.0f} / {reference_cpu:6.0f} ms = {cpu_sum / reference_cpu:.2f}"
         )
 
 if __name__ == "__main__":
