@@ -24,13 +24,14 @@ of 256 MiB. The pipeline engine computes in several threads (the driver's microb
 are new threads every step); under glibc's defaults each thread allocates from its own arena, whose free top is
 handed back to the OS (trimmed) as soon as it passes the dynamic trim threshold, and tensors above the dynamic mmap
 threshold are mapped afresh. Each step then faulted its activations in again, page by page, zeroed by the kernel,
-while holding the compute token: on the example GPT at pp=2, M=4 (``benchmarks/gpt_pipeline_step.py``) 15-20 k
-minor faults per step on stage 0 and 9-14 k on stage 1 against 3-6 k for the same microbatches in one thread,
-and the engine's compute spans took 1.13-1.18x the CPU time of that one-thread run. With this policy both runs
-fault about 0-300 times per step and the engine's compute spans take 1.05-1.07x the one-thread CPU time (the rest
-is the engine's Python work per request while computing). Process-wide, set before the process group starts any
-thread; the cost is that up to 256 MiB of freed memory at the top of the heap stays resident for the next step,
-as in a one-process loop, and one arena, which the Note above measured to lower the per-rank peak.
+while holding the compute token: on the example GPT at pp=2, M=4 (``benchmarks/gpt_pipeline_step.py``) 11-20 k
+minor faults per step on stage 0 and 5-14 k on stage 1 against 5-6 k for the same microbatches in one thread of
+the rank's process, and the compute spans' thread CPU time was 1.12-1.18x that one-thread run's. With this policy
+the ranks fault 15-16 times per step (the one-thread run 0) and the compute spans take 1.03x the one-thread CPU
+time (the rest is the engine's Python work per request while computing). Measured on a loaded machine, so in CPU
+time; wall times there stretch with the load. Process-wide, set before the process group starts any thread; the
+cost is that up to 256 MiB of freed memory at the top of the heap stays resident for the next step, as in a
+one-process loop.
 """
 
 from __future__ import annotations
