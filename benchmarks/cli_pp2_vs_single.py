@@ -40,7 +40,8 @@ def _run(config: str, steps: int, tree: str, extra: list[str]) -> float:
         sys.executable, "-m", "lightning_mp.cli", "fit", "--config", f"configs/{config}",
         "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0", "--trainer.enable_checkpointing",
         "false", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
-        "--trainer.callbacks+=benchmarks.tied_weights_pp2.StepClock", *extra,
+        # the clock replaces the configs' callbacks (their ModelCheckpoint would contradict enable_checkpointing)
+        "--trainer.callbacks", '[{"class_path": "benchmarks.tied_weights_pp2.StepClock"}]', *extra,
     ]
     # the clock comes from this tree; the model, configs and lightning_mp from ``tree``
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, ROOT])}

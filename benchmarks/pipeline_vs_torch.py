@@ -1,6 +1,6 @@
 """lightning_mp's pipeline engine against torch.distributed.pipelining, same model, same split, one run.
 
-    python benchmarks/pipeline_vs_torch.py [--rounds 3] [--steps 3] [--microbatches 4 8]
+    python benchmarks/pipeline_vs_torch.py [--rounds 3] [--steps 3] [--microbatches 4 8] [--malloc retain|glibc]
 
 The model is a stack of pre-LayerNorm MLP blocks (``x + W2 gelu(W1 LN(x))``) in an ``nn.Sequential``, cut in
 half: blocks ``0 .. L/2-1`` on stage 0, the rest on stage 1, on 2 CPU processes (gloo, 1 intra-op thread each).
@@ -27,7 +27,9 @@ alive at once during a step, and each process's CPU time and context switches pe
 threads; rank 1 idles in a barrier during "one process"; the voluntary ones are a thread blocking, i.e. the
 hand-offs and waits; the rest are preemptions, which grow with the machine's load) and minor page faults per step (``ru_minflt``: memory
 the allocator got fresh from the kernel, zeroed page by page). On a loaded machine the wall times of all methods
-stretch; CPU time and context switches are the less load-sensitive measures of overhead.
+stretch; CPU time and context switches are the less load-sensitive measures of overhead. Both processes run
+under ``SMPStrategy``'s malloc policy for pipelined ranks (every method alike; ``--malloc glibc``: glibc's default;
+[Note: engine threads and glibc malloc] in ``lightning_mp/memory/_host.py``).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from lightning_mp.comm import Transport, make_data_plane  # noqa: E402
+from lightning_mp.memory import retain_freed_memory  # noqa: E402
 from lightning_mp.topology import build_pair_groups  # noqa: E402
 from lightning_mp.pipeline import PipelineEngine, split_microbatches  # noqa: E402
 
@@ -192,6 +195,8 @@ def _transport(plane: str) -> Transport:
 
 def _rank(rank: int, init_file: str, out_dir: str, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
+    if args.malloc == "retain":
+        assert retain_freed_memory()  # as SMPStrategy sets it in every pipelined rank (torch's schedules share it)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(minutes=5))
     try:
         torch.manual_seed(0)
@@ -295,6 +300,10 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=384)
     parser.add_argument("--blocks", type=int, default=6)
     parser.add_argument("--batch-size", type=int, default=1024)
+    parser.add_argument(
+        "--malloc", choices=["retain", "glibc"], default="retain",
+        help="the processes' malloc policy: SMPStrategy's (memory._host.retain_freed_memory) or glibc's default",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_rank, args=(os.path.join(tmp, "rdv"), tmp, args), nprocs=STAGES, join=True)

@@ -163,7 +163,8 @@ class SMPConfig:
     instead of staying in the engine threads' malloc arenas (about one gradient copy more per rank at the step's
     peak otherwise; see [Note: freed tensors stay resident under glibc]). Costs page faults: each step maps its
     large tensors afresh (steps 1.0-2.0x as long on the example GPT at pp=2 on CPU, in alternating rounds on a
-    loaded machine). A no-op without glibc."""
+    loaded machine). A no-op without glibc. When False, pipelined ranks run one malloc arena that keeps freed memory
+    for the next step instead (see [Note: engine threads and glibc malloc])."""
 
     # ---- Checkpoints and initial weights
     save_distributed_checkpoint: bool = True

@@ -16,6 +16,22 @@ Measured on the example GPT (pp=4, 193 MiB stages, SGD; ``benchmarks/memory.py -
 glibc default 841-1143 MiB, ``malloc_trim`` after every batch 582-701, one arena for all threads
 (``MALLOC_ARENA_MAX=1``: no extra cost per step, but set before threads start) 509-580, the fixed threshold
 444-504 (the same as the environment variable); the fixed threshold made steps 1.0-2.0x as long at pp=2.
+
+[Note: engine threads and glibc malloc] By default every rank runs the opposite policy (``retain_freed_memory``,
+set by ``SMPStrategy`` in each rank unless ``release_host_memory=True``): one arena for all threads
+(``M_ARENA_MAX=1``), a fixed mmap threshold of 32 MiB (glibc's own ceiling for its dynamic one) and a trim threshold
+of 256 MiB. The pipeline engine computes in several threads (the driver's microbatches, the request workers, which
+are new threads every step); under glibc's defaults each thread allocates from its own arena, whose free top is
+handed back to the OS (trimmed) as soon as it passes the dynamic trim threshold, and tensors above the dynamic mmap
+threshold are mapped afresh. Each step then faulted its activations in again, page by page, zeroed by the kernel,
+while holding the compute token: on the example GPT at pp=2, M=4 (``benchmarks/gpt_pipeline_step.py``) 11-20 k
+minor faults per step on stage 0 and 5-14 k on stage 1 against 5-6 k for the same microbatches in one thread of
+the rank's process, and the compute spans' thread CPU time was 1.12-1.18x that one-thread run's. With this policy
+the ranks fault 15-16 times per step (the one-thread run 0) and the compute spans take 1.03x the one-thread CPU
+time (the rest is the engine's Python work per request while computing). Measured on a loaded machine, so in CPU
+time; wall times there stretch with the load. Process-wide, set before the process group starts any thread; the
+cost is that up to 256 MiB of freed memory at the top of the heap stays resident for the next step, as in a
+one-process loop.
 """
 
 from __future__ import annotations
@@ -26,9 +42,11 @@ import functools
 import platform
 import sys
 
-__all__ = ["fix_mmap_threshold", "glibc", "trim_host_memory"]
+__all__ = ["fix_mmap_threshold", "glibc", "retain_freed_memory", "trim_host_memory"]
 
-_M_MMAP_THRESHOLD = -3  # <malloc.h>
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # <malloc.h>
+_RETAINED_MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
+_RETAINED_TRIM_THRESHOLD = 256 * 1024 * 1024
 
 
 @functools.cache
@@ -53,6 +71,23 @@ def fix_mmap_threshold(nbytes: int = 128 * 1024) -> bool:
     """
     libc = glibc()
     return bool(libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, int(nbytes)) == 1)
+
+
+def retain_freed_memory() -> bool:
+    """One malloc arena for all threads, freed blocks up to 32 MiB kept in the heap and its top trimmed only past
+    256 MiB (``mallopt``), so the engine's threads reuse what the last step freed instead of faulting it in again
+    (see [Note: engine threads and glibc malloc]). Process-wide; call it before threads start.
+
+    Returns:
+        Whether glibc accepted all three settings (``False`` where there is no glibc).
+    """
+    libc = glibc()
+    if libc is None:
+        return False
+    settings = (
+        (_M_ARENA_MAX, 1), (_M_MMAP_THRESHOLD, _RETAINED_MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, _RETAINED_TRIM_THRESHOLD)
+    )
+    return all(libc.mallopt(option, value) == 1 for option, value in settings)
 
 
 def trim_host_memory() -> bool:

@@ -110,6 +110,9 @@ class SessionCore:
         engine's thread-local task, which autograd's thread has not. ``set_multithreading_enabled(False)``
         (thread-local) runs backward on the thread that calls it, as on CPU: every engine thread sets it, and every
         ``backward`` call of the engine is wrapped in it (the one-stage path runs on the caller's thread).
+
+        Memory: engine threads are new every step and allocate from glibc malloc; pipelined ranks share one arena
+        that keeps freed memory (see [Note: engine threads and glibc malloc] in ``memory/_host.py``).
         """
         torch.set_num_threads(self._intra_op_threads)  # see [Note: intra-op threads of engine threads]
         if self._device.type == "cuda":  # every thread that issues CUDA work names its device

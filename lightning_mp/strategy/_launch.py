@@ -39,7 +39,7 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_mp.memory._host import fix_mmap_threshold
+from lightning_mp.memory._host import fix_mmap_threshold, retain_freed_memory
 from lightning_mp.strategy._exit import SpawnLauncher
 
 if TYPE_CHECKING:
@@ -218,11 +218,15 @@ def apply_thread_policy(num_processes: int) -> None:
     _set_num_threads_if_needed(num_processes=max(1, num_processes))
 
 
-def prepare_process(num_processes: int, release_host_memory: bool) -> None:
+def prepare_process(num_processes: int, release_host_memory: bool, pipelined: bool) -> None:
     """What every rank's process sets before its process group: the thread policy (for launch paths without a
-    launcher) and, with ``release_host_memory``, glibc's fixed mmap threshold (a warning where there is none)."""
+    launcher) and glibc's malloc policy: with ``release_host_memory`` the fixed 128 KiB mmap threshold (a warning
+    where there is no glibc), otherwise, when ``pipelined`` (the engine computes in several threads), one arena
+    that keeps freed memory for the next step ([Note: engine threads and glibc malloc] in ``memory/_host.py``)."""
     apply_thread_policy(num_processes)
-    if release_host_memory and not fix_mmap_threshold():
+    if not release_host_memory and pipelined:
+        retain_freed_memory()
+    elif release_host_memory and not fix_mmap_threshold():
         rank_zero_warn("release_host_memory=True has no effect here: it needs glibc (Linux) malloc.")
 
 

@@ -237,7 +237,8 @@ class SMPStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        prepare_process(self.num_processes, self.config.release_host_memory)  # threads, malloc: see _launch.py
+        pipelined = self.config.pipeline_parallel_degree > 1
+        prepare_process(self.num_processes, self.config.release_host_memory, pipelined)  # threads, malloc: _launch.py
         self.set_world_ranks()
         backend = self.config.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend

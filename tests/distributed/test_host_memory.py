@@ -27,6 +27,42 @@ print((rss() - before) >> 20)
 """
 
 
+_STEP_FAULTS_PROBE = """
+import resource, sys, threading, torch
+from lightning_mp.strategy._launch import prepare_process
+if sys.argv[1] == 'pipelined':
+    prepare_process(2, release_host_memory=False, pipelined=True)
+def step():  # a step's activations, 56 MiB in 1-4 MiB tensors, made and freed in a fresh thread (a request worker)
+    kept = [torch.ones(1 << (18 + i % 3)) for i in range(24)]
+    del kept
+def faults_of_step():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    thread = threading.Thread(target=step); thread.start(); thread.join()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+faults_of_step()
+print(*[faults_of_step() for _ in range(3)])
+"""
+
+
+@pytest.mark.skipif(not glibc(), reason="glibc only")
+def test_pipelined_ranks_reuse_freed_memory_instead_of_faulting_it_in_each_step():
+    """[Note: engine threads and glibc malloc]: a pipelined rank's steps after the first reuse the heap (56 MiB of
+    activations are 14336 pages); glibc's default faults most of them in again."""
+    import subprocess
+    import sys
+
+    def step_faults(mode: str) -> list[int]:
+        env = {**os.environ, "PYTHONPATH": os.getcwd()}
+        for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX"):
+            env.pop(name, None)
+        done = subprocess.run([sys.executable, "-c", _STEP_FAULTS_PROBE, mode], capture_output=True, text=True,
+                              env=env, timeout=120, check=True)
+        return [int(n) for n in done.stdout.split()]
+
+    assert max(step_faults("pipelined")) < 14336 // 8
+    assert sum(step_faults("default")) > 14336, "glibc's default faults them in again (else this test shows nothing)"
+
+
 @pytest.mark.skipif(not glibc(), reason="glibc only")
 def test_release_host_memory_gives_freed_tensors_back_and_glibc_default_keeps_them():
     """[Note: freed tensors stay resident under glibc]: 192 MiB allocated and freed in a thread."""
