@@ -54,6 +54,7 @@ from lightning_mp.pipeline._rng import MicrobatchRNG
 from lightning_mp.pipeline._server import Server
 from lightning_mp.pipeline._state import OrderedStateUpdates
 from lightning_mp.pipeline._timeline import TimelineRecorder
+from lightning_mp.pipeline._zero_bubble import WeightPasses, run_backward
 
 __all__ = ["PipelineEngine", "PipelineError", "PipelineSession"]
 
@@ -264,11 +265,15 @@ class PipelineSession:
         self.is_driver = engine.is_driver
         self.core = SessionCore(engine._stage_info(), step)
         run_module = functools.partial(engine.placement.run, context=engine.forward_context)
-        self.store = OutputStore(self.core, run_module)
-        self.server = Server(self.core, self.store, run_module, engine.state_updates, engine.remote_handles)
+        split = engine.schedule == "zero_bubble" and engine.num_stages > 1
+        self.weights = WeightPasses(self.core) if split else None  # [Note: zero-bubble] in _zero_bubble.py
+        backward = self.weights.backward if self.weights is not None else run_backward
+        self.store = OutputStore(self.core, run_module, backward)
+        self.server = Server(self.core, self.store, run_module, engine.state_updates, engine.remote_handles, backward)
         self.caller = Caller(self.core, self.store, engine.placement, engine._next_call_id, engine.remote_handles)
         self.driver = Driver(self.core, self.store, engine.state_updates, schedule=engine.schedule,
-                             active_microbatches=engine.active_microbatches, remote_handles=engine.remote_handles)
+                             active_microbatches=engine.active_microbatches, remote_handles=engine.remote_handles,
+                             backward=backward)
 
     @property
     def error(self) -> BaseException | None:
@@ -322,6 +327,11 @@ class PipelineSession:
         replies (and a late "close") of an earlier step instead of failing as out of step.
         """
         core = self.core
+        if self.weights is not None:  # this rank's deferred weight passes complete its gradients
+            try:
+                self.weights.drain()
+            except PipelineError:
+                self.weights.stop()
         if core.error is not None:
             self.server.refuse_queued()
         self.server.wait_idle()
