@@ -12,6 +12,7 @@ import torch
 from lightning_mp.memory import set_activation_checkpointing
 from lightning_mp.pipeline import PipelineEngine, split_microbatches
 from tests._dist import make_transport, run_distributed
+from tests.distributed import test_generality
 from tests.distributed.test_engine import LR, MODELS, PLACEMENTS, STEPS, _assert_matches_reference, _reference
 from tests.models import expand_placement
 
@@ -97,3 +98,13 @@ def test_zero_bubble_equals_interleaved_and_one_process(model_name, placement, r
         backwards = [e for e in result["events"] if e[0] == "backward"]
         for category, microbatch, start, _ in weights:  # a weight pass runs after its backward's input pass
             assert any(b[1] == microbatch and b[3] <= start for b in backwards), (rank, microbatch)
+
+
+def test_zero_bubble_on_every_engine_scenario_matches_one_process():
+    """tests/distributed/test_generality.py's scenarios on 3 stages (every tensor kind a forward passes, shapes
+    changing every step, a long skip, a module shared from two stages, data-dependent calls, a parameter passed as
+    an argument, unused outputs) under "zero_bubble": losses, gradients and parameters as one process."""
+    results = run_distributed(test_generality._all_scenarios, 3, "zero_bubble", start_method="fork")
+    for name, scenario in test_generality.SCENARIOS.items():
+        test_generality._check_against_reference([per_rank[name] for per_rank in results],
+                                                 test_generality._reference(scenario))
