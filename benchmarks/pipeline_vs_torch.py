@@ -338,7 +338,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_rank, args=(os.path.join(tmp, "rdv"), tmp, args), nprocs=STAGES, join=True)
-        results = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(STAGES)]
+        results = [torch.load(os.path.join(tmp, f"{r}.pt"), weights_only=False) for r in range(STAGES)]
 
     mib = 2**20
     print(

@@ -70,7 +70,9 @@ class PipelineEngine:
         transport: framed messages over this replica's pipeline process group (group rank = stage).
         num_stages: pipeline_parallel_degree.
         schedule: ``"interleaved"`` (1F1B priorities, work-conserving: [Note: 1F1B priorities] in
-            ``_scheduler.py``) or ``"simple"`` (GPipe: all forwards of a wave of microbatches, then all backwards).
+            ``_scheduler.py``), ``"zero_bubble"`` (the same, each backward's weight pass deferred into the bubbles:
+            [Note: zero-bubble] in ``_zero_bubble.py``) or ``"simple"`` (GPipe: all forwards of a wave of
+            microbatches, then all backwards).
         active_microbatches: at most this many microbatches in flight on the driver.
         timeout_s: seconds to wait for any reply before raising :class:`PipelineError`.
         forward_context: a context manager factory wrapping every served forward request (e.g. autocast).

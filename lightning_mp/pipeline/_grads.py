@@ -21,8 +21,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lightning_mp.pipeline._zero_bubble import capturing_edges
-
 __all__ = ["OrderedGradients"]
 
 
@@ -95,7 +93,7 @@ class OrderedGradients:
     def _incoming(self, param: nn.Parameter) -> Callable[[torch.Tensor], torch.Tensor | None]:
         def hook(grad: torch.Tensor) -> torch.Tensor | None:
             microbatch = self._current()
-            if microbatch is None or capturing_edges():  # a weight pass's edge capture: not accumulated here
+            if microbatch is None:
                 return None
             with self._lock:
                 order = self._orders[param]

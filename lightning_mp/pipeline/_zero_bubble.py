@@ -8,38 +8,40 @@ passes over the same autograd graph:
   gradients someone waits for: the received leaves whose gradients go back upstream, and the anchor of every
   remote call in the graph (``comm/_autograd.py``), so each remote backward sends its gradients at once. Its
   reply leaves as soon as it is done, so the upstream stage starts its own backward one weight pass earlier.
-- the *weight* pass (W) runs later, as its own task (``Phase.WEIGHT``, priority just after the forward that 1F1B
-  runs after this backward: [Note: 1F1B priorities] in ``_scheduler.py``), so it fills the time a stage would wait
-  for a message. It computes the rest: what leads only to parameters (and other leaves).
+- the *weight* pass (W) runs later, as its own task (``Phase.WEIGHT``, ordered after the next backward: [Note: 1F1B
+  priorities] in ``_scheduler.py``), and whenever the stage would wait for a message, so it fills the bubble. It
+  computes the rest: what leads only to parameters (and other leaves).
 
 How the graph is cut works for any graph the engine runs (control flow, module reuse, tied weights, shapes changing
-per step), as torch's ``stage_backward_input`` / ``stage_backward_weight`` (``torch.distributed.pipelining``) do
-for a split stage module: nodes leading to the wanted gradients are the I set; nodes outside it that lead to a
-leaf are the W set; an I node with an edge into the W set is a *boundary*, and the gradients flowing into it are
-captured (node pre-hook) in the I pass. The W pass then (1) runs each boundary once more, alone, from its captured
-gradients to its W edges (``autograd.grad`` with ``GradientEdge`` outputs and inputs: e.g. a Linear's
-``AddmmBackward0`` computes ``x^T dy`` and the bias sum, not ``dy W`` again), and (2) runs one ``autograd.backward``
-from those edges: the parameters accumulate exactly once per backward, in the engine's usual node order, so the
-ordered-accumulation hooks (``_grads.py``) and the data-parallel reducer's hooks fire there, on the weight pass, and
-the sums equal the unsplit backward's (bitwise in the tests). Unlike torch's parameter groups, a boundary's run
-must not reach another boundary's edges (a reused module's bias is a W edge of both of its calls; ``autograd.grad``
-would run one call's backward into the other's and count it twice): an edge reached from more than one boundary,
-or from another edge of its own boundary, has its leaves computed in the I pass instead (such a bias; the weight
-of a reused Linear, reached through one transpose per call, stays deferred). With activation checkpointing every
-engine call of the W pass that unpacks a checkpointed module's saved tensors recomputes that module's forward
-(``torch.utils.checkpoint`` recomputes once per graph task), so a checkpointed module costs its forward once more
-per boundary in it. The W pass holds the graph below the boundaries until it runs (as torch's), so the schedule
-keeps 1F1B's number of microbatches in flight plus the deferred weight passes (at most the ones 1F1B would have
-run before the next forward).
+per step), where torch's ``stage_backward_input`` / ``stage_backward_weight`` (``torch.distributed.pipelining``) need
+a split stage module: nodes leading to a wanted gradient are the I set; nodes outside it that lead to a leaf are the
+W set; an I node with an edge into the W set is a *boundary*, and the gradients flowing into it are captured (node
+pre-hook) in the I pass. The W pass (1) runs each boundary once more, alone, from its captured gradients to its W
+edges (``autograd.grad`` with ``GradientEdge`` outputs and inputs: a Linear's ``AddmmBackward0`` computes ``dy W`` in
+the I pass and ``x^T dy`` here), then (2) runs one ``autograd.backward`` from all W edges: the parameters accumulate
+once per backward, in autograd's usual order, so the ordered-accumulation hooks (``_grads.py``) and the
+data-parallel reducer's hooks fire there, on the weight pass, and the sums equal the unsplit backward's (bitwise in
+the tests). Some W nodes are *cut* instead: the I pass captures their whole incoming gradient (an ``autograd.grad``
+input edge) and the W pass starts there: the W children of a Python ``autograd.Function`` (it computes all its input
+gradients at once, and a remote call's backward sends a message, so it must not run twice), and a boundary's child
+that the boundary's own run would also reach another way (through another boundary: a reused module's bias is a W
+edge of both of its calls, and unlike torch's parameter groups, ``autograd.grad`` would run one call's backward into
+the other and count it twice); a cut leaf (such a bias) is accumulated in the I pass. A cut node's W ancestors join
+the I pass. Gradients are never captured at a leaf (``autograd.grad`` would run its tensor hooks on the captured
+value): a leaf accumulates once per backward, its hooks with it. With activation checkpointing
+each engine call of the W pass that unpacks a checkpointed module's saved tensors recomputes its forward
+(``torch.utils.checkpoint`` recomputes once per graph task): once per boundary in it, plus one. The W pass holds the
+graph below its boundaries until it runs (as torch's); the schedule keeps at most one W pass pending beyond 1F1B's
+microbatches in flight when no stage waits ([Note: 1F1B priorities]).
 """
 
 from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.autograd.function import BackwardCFunction
@@ -49,32 +51,15 @@ from lightning_mp.comm import REMOTE_ANCHOR
 from lightning_mp.pipeline._core import SessionCore
 from lightning_mp.pipeline._messages import POLL_S, Phase, Task, as_task, current_task
 
-__all__ = ["WeightPass", "WeightPasses", "capturing_edges", "run_backward", "split_backward"]
+__all__ = ["WeightPass", "WeightPasses", "run_backward", "split_backward"]
 
 _MULTI = object()  # a W node's label: reached from more than one entry
-_state = threading.local()
-
-
-def capturing_edges() -> bool:
-    """Whether this thread captures gradients on graph edges instead of accumulating them (the input pass, and a
-    boundary's run in the weight pass): a leaf's tensor hooks run on captured gradients too, and must act only when
-    the gradient is accumulated (the weight pass's last backward)."""
-    return getattr(_state, "capturing", False)
-
-
-@contextmanager
-def _capturing() -> Iterator[None]:
-    _state.capturing = True
-    try:
-        yield
-    finally:
-        _state.capturing = False
 
 
 @dataclass
 class _Boundary:
     """A node of the I pass with edges into the W set: the gradients flowing into it (captured in the I pass by a
-    pre-hook) and its W edges ``(child, input number)``."""
+    pre-hook) and its W edges ``(child, input number)``, which the W pass gets by running it alone once more."""
 
     node: Node
     edges: list[tuple[Node, int]]
@@ -84,15 +69,43 @@ class _Boundary:
         self.grads = grad_outputs
 
     def weight_edges(self, retain_graph: bool) -> list[tuple[GradientEdge, torch.Tensor]]:
-        """The gradient of each W edge, by running this node alone once more from its captured gradients."""
+        """Run this node alone once more from its captured gradients: a leaf it feeds directly accumulates now (only
+        this node reaches it); the gradient of each other W edge is returned, for the W pass's last backward."""
         outputs = [(GradientEdge(self.node, k), g) for k, g in enumerate(self.grads or ()) if g is not None]
         if not outputs:  # nothing flowed into it (an output without a gradient): no contribution
             return []
-        targets = [GradientEdge(child, nr) for child, nr in self.edges]
-        with _capturing():
-            got = torch.autograd.grad([e for e, _ in outputs], targets, [g for _, g in outputs],
-                                      retain_graph=retain_graph, allow_unused=True)
-        return [(edge, grad) for edge, grad in zip(targets, got) if grad is not None]
+        leaves = [child.variable for child, _ in self.edges if _is_leaf(child)]
+        others = {edge for edge in self.edges if not _is_leaf(edge[0])}
+        capture = _EdgeCapture(lambda node, child, nr: (child, nr) in others)
+        handle = capture.hook(self.node)
+        try:  # the other W nodes are inputs, so this node computes their edges (and they run, computing nothing)
+            torch.autograd.backward([e for e, _ in outputs], [g for _, g in outputs],
+                                    inputs=[*leaves, *(GradientEdge(c, nr) for c, nr in others)],
+                                    retain_graph=retain_graph or bool(others))
+        finally:
+            handle.remove()
+        return capture.captured
+
+
+@dataclass
+class _EdgeCapture:
+    """Post-hooks on the I nodes that compute W edges in the I pass (an opaque node: a Python ``autograd.Function``
+    computes all its input gradients; a parent of a cut node): each W edge's gradient, in the order autograd made
+    them (a cut node with two parents sums them in that order, as one backward does)."""
+
+    wanted: Callable[[Node, Node, int], bool]  # (node, child, input number) -> capture that edge
+    captured: list[tuple[GradientEdge, torch.Tensor]] = field(default_factory=list)
+
+    def hook(self, node: Node) -> Any:
+        children = [(i, child, nr) for i, (child, nr) in enumerate(node.next_functions)
+                    if child is not None and self.wanted(node, child, nr)]
+
+        def record(grad_inputs: tuple, grad_outputs: tuple) -> None:
+            for i, child, nr in children:
+                if grad_inputs[i] is not None:
+                    self.captured.append((GradientEdge(child, nr), grad_inputs[i]))
+
+        return node.register_hook(record)
 
 
 @dataclass
@@ -101,7 +114,7 @@ class WeightPass:
 
     Attributes:
         boundaries: the I nodes whose W edges this pass runs, with their captured gradients.
-        roots: W edges whose whole gradient the I pass captured (cut edges, roots of the backward in the W set).
+        roots: W edges whose gradients the I pass captured, and roots of the backward in the W set.
         retain_graph: the backward kept its graph for another backward through it (a fetch's, ``_outputs.py``).
     """
 
@@ -149,12 +162,15 @@ def split_backward(
         more = graph.new_cuts() - cuts
         if not more:
             break
-        cuts |= more
+        for node in more:  # a leaf is accumulated in the I pass; another node's gradient is captured there
+            if _is_leaf(node):
+                targets[node] = node.variable
+            else:
+                cuts.add(node)
     boundaries = [_Boundary(node, edges) for node, edges in graph.boundaries()]
     captured = _input_pass(roots, grads, root_nodes, graph, targets, boundaries)
-    w_roots = [(GradientEdge(node, _output_nr(roots[k])), grads[k])
-               for k, node in enumerate(root_nodes) if node in graph.weight_set]
-    w_roots += captured
+    w_roots = captured + [(GradientEdge(node, _output_nr(roots[k])), grads[k])
+                          for k, node in enumerate(root_nodes) if node in graph.weight_set]
     if not boundaries and not w_roots:
         return None
     return WeightPass(boundaries, w_roots, retain_graph)
@@ -168,25 +184,22 @@ def _input_pass(
     targets: dict[Node, torch.Tensor],
     boundaries: list[_Boundary],
 ) -> list[tuple[GradientEdge, torch.Tensor]]:
-    """Run the I pass: accumulate the wanted leaves' ``.grad``, capture the boundaries' incoming gradients and the
-    cut edges' whole gradients (returned)."""
+    """Run the I pass: accumulate the targets' ``.grad``, capture the boundaries' incoming gradients and the W edges
+    the I pass computes (returned)."""
     in_i = [k for k, node in enumerate(root_nodes) if node in graph.input_set]
     if not in_i:
         return []
     leaves = [t for node, t in targets.items() if node in graph.input_set]
-    cut_edges = graph.cut_edges()
+    capture = _EdgeCapture(lambda node, child, nr: child in graph.cuts or (_opaque(node) and child in graph.weight_set))
     handles = [b.node.register_prehook(b.capture) for b in boundaries]
+    handles += [capture.hook(node) for node in graph.computing_weight_edges()]
     try:
-        with _capturing():
-            got = torch.autograd.grad([roots[k] for k in in_i], [*leaves, *cut_edges], [grads[k] for k in in_i],
-                                      retain_graph=True, allow_unused=True)
+        torch.autograd.backward([roots[k] for k in in_i], [grads[k] for k in in_i],
+                                inputs=[*leaves, *graph.cut_edges()], retain_graph=True)
     finally:
         for handle in handles:
             handle.remove()
-    for leaf, grad in zip(leaves, got):
-        if grad is not None:
-            leaf.grad = grad if leaf.grad is None else leaf.grad + grad
-    return [(edge, grad) for edge, grad in zip(cut_edges, got[len(leaves):]) if grad is not None]
+    return capture.captured
 
 
 def _differentiable(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> tuple[list, list]:
@@ -249,38 +262,39 @@ class _Graph:
         self.cuts = cuts & self.weight_set
 
     def boundaries(self) -> list[tuple[Node, list[tuple[Node, int]]]]:
-        """Each I node with edges into the W set other than cut nodes, with those distinct edges, in autograd's order
-        (the node made last runs first)."""
+        """Each I node (not opaque) with edges into the W set other than cut nodes, with those distinct edges, in
+        autograd's order (the node made last runs first)."""
         found = []
         for node in self.nodes:
-            if node in self.input_set:
+            if node in self.input_set and not _opaque(node):
                 edges = [e for e in dict.fromkeys(_children(node)) if e[0] in self.weight_set and e[0] not in self.cuts]
                 if edges:
                     found.append((node, edges))
         return sorted(found, key=lambda item: -item[0]._sequence_nr())
 
+    def computing_weight_edges(self) -> list[Node]:
+        """The I nodes that compute W edges in the I pass: opaque nodes with W children, parents of cut nodes."""
+        return [n for n in self.input_set
+                if any(c in self.cuts or (_opaque(n) and c in self.weight_set) for c, _ in _children(n))]
+
     def cut_edges(self) -> list[GradientEdge]:
-        """The edges from the I set into cut nodes, each once."""
+        """The edges from the I set into cut nodes, each once (inputs of the I pass, so their parents compute them)."""
         edges = dict.fromkeys((c, nr) for n in self.input_set for c, nr in _children(n) if c in self.cuts)
-        return [GradientEdge(c, nr) for c, nr in sorted(edges, key=lambda e: (-e[0]._sequence_nr(), e[1]))]
+        return [GradientEdge(c, nr) for c, nr in edges]
 
     def new_cuts(self) -> set[Node]:
-        """The W nodes to cut: the W children of opaque nodes (a Python ``autograd.Function`` computes all its input
-        gradients at once, and a remote call's must run once), and the W children of boundaries that a boundary's
-        own run would reach some other way than its direct edge (see [Note: zero-bubble]). Every W node is labelled
-        with the entry it is reached through (a boundary's child, a cut node, a root), or as reached through
-        several."""
+        """The W children of boundaries that a boundary's own run would reach some other way than its direct edge
+        (see [Note: zero-bubble]). Every W node is labelled with the entry it is reached through (a boundary's or an
+        opaque node's child, a cut node), or as reached through several."""
         labels: dict[Node, object] = {}
         reruns: set[Node] = set()
-        found: set[Node] = set()
-        for node, edges in self.boundaries():
-            for child, _ in edges:
-                if isinstance(node, BackwardCFunction):
-                    found.add(child)
-                else:
-                    reruns.add(child)
-                entry = (node, child)
-                labels[child] = entry if labels.get(child, entry) == entry else _MULTI
+        for node in self.input_set:
+            for child, _ in _children(node):
+                if child in self.weight_set and child not in self.cuts:
+                    if not _opaque(node):
+                        reruns.add(child)
+                    entry = (node, child)
+                    labels[child] = entry if labels.get(child, entry) == entry else _MULTI
         for node in self.cuts:
             labels[node] = _MULTI if node in labels else node
         for node in reversed(self.nodes):  # parents before children
@@ -290,7 +304,13 @@ class _Graph:
             for child, _ in _children(node):
                 if child in self.weight_set:
                     labels[child] = label if labels.get(child, label) == label else _MULTI
-        return found | {child for child in reruns if labels[child] is _MULTI}
+        return {child for child in reruns if labels[child] is _MULTI}
+
+
+def _opaque(node: Node) -> bool:
+    """A Python ``autograd.Function``'s node: it computes all its input gradients at once (and a remote call's sends
+    a message: it must run once), so the I pass keeps what it computed for its W edges."""
+    return isinstance(node, BackwardCFunction)
 
 
 def run_backward(
