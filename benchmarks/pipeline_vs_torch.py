@@ -15,6 +15,8 @@ Every method runs forward + backward of one batch (no optimizer step) with the M
   x = block(x)``, as Hugging Face models are written), each remote block its own call; ``interl. loop eager`` is
   that with ``remote_handles=False`` (every remote call waits for its outputs: one round trip per block, as
   before remote handles).
+- ``lightning_mp zero_bubble`` (and ``... loop``): ``pipeline="zero_bubble"``, each backward split into its input
+  pass and a deferred weight pass (ZB-H1's order on 1F1B's priorities, [Note: zero-bubble]).
 - ``torch GPipe`` / ``torch 1F1B``: ``torch.distributed.pipelining.ScheduleGPipe`` / ``Schedule1F1B`` over
   ``PipelineStage``s of the same two halves, the loss on the last stage.
 
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import os
 import resource
 import statistics
@@ -58,6 +61,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from lightning_mp.comm import Transport, make_data_plane  # noqa: E402
 from lightning_mp.memory import retain_freed_memory  # noqa: E402
 from lightning_mp.topology import build_pair_groups  # noqa: E402
+from lightning_mp.callbacks import RankTimeline, gpipe_bubble, measure_bubble  # noqa: E402
 from lightning_mp.pipeline import PipelineEngine, split_microbatches  # noqa: E402
 
 STAGES = 2
@@ -69,6 +73,8 @@ METHODS = (
     "lightning_mp simple loop",
     "lightning_mp interleaved loop",
     "lightning_mp interl. loop eager",
+    "lightning_mp zero_bubble",
+    "lightning_mp zero_bubble loop",
     "torch GPipe",
     "torch 1F1B",
 )
@@ -235,6 +241,8 @@ def _rank(rank: int, init_file: str, out_dir: str, args: argparse.Namespace) -> 
                 ("lightning_mp simple loop", "simple", m),
                 ("lightning_mp interleaved loop", "interleaved", STAGES + 2),
                 ("lightning_mp interl. loop eager", "interleaved", STAGES + 2),
+                ("lightning_mp zero_bubble", "zero_bubble", STAGES + 2),  # input passes now, weight passes deferred
+                ("lightning_mp zero_bubble loop", "zero_bubble", STAGES + 2),
             ):
                 eng, model = {"loop": (loop_engine, looped), "eager": (eager_engine, looped_eager)}.get(
                     name.split()[-1], (engine, ours)
@@ -286,9 +294,40 @@ def _rank(rank: int, init_file: str, out_dir: str, args: argparse.Namespace) -> 
                         faults[key].append(after.ru_minflt - usage.ru_minflt)
                         voluntary[key].append(after.ru_nvcsw - usage.ru_nvcsw)
                         peaks[key] = max(peaks[key], meter.peak)
-        torch.save({"times": times, "peaks": peaks, "cpu": cpu, "switches": switches, "faults": faults, "voluntary": voluntary}, os.path.join(out_dir, f"{rank}.pt"))
+        timelines = _record_timelines(rank, engine, runners, args) if args.bubbles else {}
+        torch.save({"times": times, "peaks": peaks, "cpu": cpu, "switches": switches, "faults": faults, "voluntary": voluntary,
+                    "timelines": timelines}, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+BUBBLE_METHODS = ("lightning_mp interleaved", "lightning_mp zero_bubble")
+
+
+def _record_timelines(rank: int, engine: PipelineEngine, runners: dict, args: argparse.Namespace) -> dict:
+    """``--bubbles``: one more step of each of ``BUBBLE_METHODS`` per M with the engine's timeline on, as a
+    ``RankTimeline`` on the clock of the barrier before it (what ``PipelineTimeline`` records through Lightning)."""
+    recorded = {}
+    for m in args.microbatches:
+        for name in BUBBLE_METHODS:
+            dist.barrier()
+            origin = time.perf_counter()
+            engine.timeline.start()
+            runners[(name, m)]()
+            events = [dataclasses.replace(e, start_s=e.start_s - origin, end_s=e.end_s - origin)
+                      for e in engine.timeline.stop()]
+            recorded[(name, m)] = RankTimeline(rank, rank, events, time.perf_counter() - origin)
+    return recorded
+
+
+def _print_bubbles(results: list[dict], args: argparse.Namespace) -> None:
+    print("\nMeasured bubble (1 - compute / step span, per rank, PipelineTimeline's measure_bubble), one step each:")
+    for m in args.microbatches:
+        for name in BUBBLE_METHODS:
+            report = measure_bubble([r["timelines"][(name, m)] for r in results])
+            fractions = " / ".join(f"{100 * report.fractions[rank]:.0f}%" for rank in sorted(report.fractions))
+            print(f"{m:>2} {name:<30} r0 / r1 {fractions:>11}   mean {100 * report.mean:.0f}%"
+                  f"   (GPipe's (p-1)/(m+p-1): {100 * gpipe_bubble(STAGES, m):.0f}%)")
 
 
 def main() -> None:
@@ -304,10 +343,11 @@ def main() -> None:
         "--malloc", choices=["retain", "glibc"], default="retain",
         help="the processes' malloc policy: SMPStrategy's (memory._host.retain_freed_memory) or glibc's default",
     )
+    parser.add_argument("--bubbles", action="store_true", help="also measure the bubble of interleaved / zero_bubble")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_rank, args=(os.path.join(tmp, "rdv"), tmp, args), nprocs=STAGES, join=True)
-        results = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(STAGES)]
+        results = [torch.load(os.path.join(tmp, f"{r}.pt"), weights_only=False) for r in range(STAGES)]
 
     mib = 2**20
     print(
@@ -336,9 +376,11 @@ def main() -> None:
                 f"{m:>2} {name:<30} {median[name]:8.1f} {100 * ideal / median[name]:9.0f}% {vs:>17} {peaks:>21}"
                 f" {cpu:>20} {switches:>20} {vol:>18} {faults:>25}"
             )
-        for schedule in ("simple", "interleaved"):
+        for schedule in ("simple", "interleaved", "zero_bubble"):
             ratio = median[f"lightning_mp {schedule} loop"] / median[f"lightning_mp {schedule}"]
             print(f"{m:>2} {schedule} ModuleList loop / Sequential: {ratio:.2f}x")
+    if args.bubbles:
+        _print_bubbles(results, args)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ from typing import Any, Literal
 
 __all__ = ["SMPConfig"]
 
-PipelineSchedule = Literal["interleaved", "simple"]
+PipelineSchedule = Literal["interleaved", "simple", "zero_bubble"]
+_SCHEDULES = ("interleaved", "simple", "zero_bubble")
 Optimize = Literal["speed", "memory"]
 TiedWeights = Literal["colocate", "replicate", "auto"]
 DataPlane = Literal["auto", "gloo", "nccl"]
@@ -73,7 +74,10 @@ class SMPConfig:
     pipeline: PipelineSchedule = "interleaved"
     """``"interleaved"``: each stage runs its ready forward and backward work in the order 1F1B would (warm-up
     forwards, then one forward / one backward), taking the next ready task when the preferred one is not ready
-    (1F1B-like activation memory). ``"simple"``: all forwards, then all backwards (GPipe)."""
+    (1F1B-like activation memory). ``"simple"``: all forwards, then all backwards (GPipe). ``"zero_bubble"``: as
+    ``"interleaved"``, with each backward split into its input gradient (sent upstream at once) and its weight
+    gradient, deferred into the time the stage would wait (ZB-H1, Qi et al. 2023; any model, see [Note:
+    zero-bubble] in ``pipeline/_zero_bubble.py``)."""
 
     active_microbatches: int | None = None
     """Cap on microbatches in flight on the driver at once. ``None`` means ``pipeline_parallel_degree + 2``
@@ -218,8 +222,8 @@ class SMPConfig:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
         self._check_non_split_inputs()
-        if self.pipeline not in ("interleaved", "simple"):
-            raise ValueError(f"`pipeline` must be 'interleaved' or 'simple', got {self.pipeline!r}.")
+        if self.pipeline not in _SCHEDULES:
+            raise ValueError(f"`pipeline` must be one of {', '.join(map(repr, _SCHEDULES))}, got {self.pipeline!r}.")
         if self.tied_weights not in ("colocate", "replicate", "auto"):
             raise ValueError(f"`tied_weights` must be 'colocate', 'replicate' or 'auto', got {self.tied_weights!r}.")
         if self.optimize not in _DEFAULT_MEMORY_WEIGHT:

@@ -5,8 +5,9 @@ neighbours the pipeline *bubble*: with ``p`` equal stages and ``m`` microbatches
 the step, whatever the order of forwards and backwards (GPipe's all-forwards-then-all-backwards, or the 1F1B-like
 ``pipeline="interleaved"`` of SMP, Karakus et al., 2021, arXiv 2111.05972, section 3.2). We measure it instead of
 deriving it: for each rank, ``bubble = 1 - busy / span``, where ``busy`` is the length of the union of the rank's
-forward and backward compute spans and ``span`` is the step's wall time, from the earliest event start to the
-latest event end over all ranks. Message sends and receives are not busy time: they are what a bubble waits on.
+forward, backward and weight-pass compute spans (``"weight"``: the deferred weight gradients of
+``pipeline="zero_bubble"``, which fill the bubble) and ``span`` is the step's wall time, from the earliest event start
+to the latest event end over all ranks. Message sends and receives are not busy time: they are what a bubble waits on.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ __all__ = [
     "measure_bubble",
 ]
 
-_COMPUTE = ("forward", "backward")
+_COMPUTE = ("forward", "backward", "weight")
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class BubbleReport:
     Attributes:
         start_s: earliest event start over all ranks, seconds on the shared clock.
         end_s: latest event end over all ranks.
-        busy_s: global rank -> seconds it computed (union of its forward and backward spans).
+        busy_s: global rank -> seconds it computed (union of its forward, backward and weight spans).
         fractions: global rank -> ``1 - busy_s / (end_s - start_s)``, in [0, 1].
     """
 
@@ -198,11 +199,11 @@ class PipelineTimeline(Callback):
 
     - ``{filename}_step{N}.json``: a Chrome / Perfetto trace (see :func:`chrome_trace`); open it at
       https://ui.perfetto.dev or ``chrome://tracing``.
-    - ``{filename}_step{N}.png``: a Gantt chart, one row per rank: forward and backward spans labelled with
-      their microbatch, sends and receives as thin marks.
+    - ``{filename}_step{N}.png``: a Gantt chart, one row per rank: forward, backward and weight-pass spans
+      labelled with their microbatch, sends and receives as thin marks.
 
     It also prints, on rank 0, each rank's measured bubble fraction and the mean: ``1 - busy / span``, where busy
-    is the union of the rank's forward and backward spans and span is the step's wall time over all ranks
+    is the union of the rank's forward, backward and weight spans and span is the step's wall time over all ranks
     (GPipe's bubble, measured; see [Note: bubble] in ``_pipeline_timeline.py``). The reports stay in
     :attr:`reports` (step -> :class:`BubbleReport`) on rank 0.
 
@@ -343,14 +344,15 @@ def _gather(timeline: RankTimeline) -> list[RankTimeline] | None:
 
 
 def gantt_chart(timelines: Sequence[RankTimeline], report: BubbleReport, step: int, path: str) -> None:
-    """Draw one row per rank: forward and backward spans labelled with their microbatch, messages as thin marks."""
+    """Draw one row per rank: forward, backward and weight spans labelled with their microbatch, messages as thin
+    marks."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    colors = {"forward": "#4878a8", "backward": "#dd8452", "send": "#55a868", "recv": "#c44e52"}
+    colors = {"forward": "#4878a8", "backward": "#dd8452", "weight": "#8172b3", "send": "#55a868", "recv": "#c44e52"}
     ordered = sorted(timelines, key=lambda t: t.rank)
     span_ms = max(1e3 * report.span_s, 1e-6)
     figure, axes = plt.subplots(figsize=(11, 1.0 + 0.9 * len(ordered)))

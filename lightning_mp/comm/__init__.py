@@ -1,12 +1,13 @@
 """D2D communication: nested structures of tensors between ranks, and autograd across ranks."""
 
-from lightning_mp.comm._autograd import connect_remote_outputs, ragged_like
+from lightning_mp.comm._autograd import REMOTE_ANCHOR, connect_remote_outputs, ragged_like
 from lightning_mp.comm._pair import PairDataPlane, PairGroups
 from lightning_mp.comm._planes import DataPlane, DataPlaneError, DataPlaneKind, GlooDataPlane, StrictMockError
 from lightning_mp.comm._transport import Transport, make_data_plane
 from lightning_mp.comm._wire import Message, Packed, pack
 
 __all__ = [
+    "REMOTE_ANCHOR",
     "DataPlane",
     "DataPlaneError",
     "DataPlaneKind",

@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 from torch.autograd.function import once_differentiable
 
-__all__ = ["RemoteBackward", "connect_remote_outputs", "ragged_like"]
+__all__ = ["REMOTE_ANCHOR", "RemoteBackward", "connect_remote_outputs", "ragged_like"]
 
 
 class RemoteBackward(Protocol):
@@ -57,6 +57,7 @@ class _RemoteCallFunction(torch.autograd.Function):
 
 
 _ANCHOR = torch.zeros((), requires_grad=True)
+REMOTE_ANCHOR = _ANCHOR  # every remote call's node leads to this leaf: a backward that must reach them asks for it
 
 
 def connect_remote_outputs(

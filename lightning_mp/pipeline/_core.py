@@ -37,6 +37,8 @@ from lightning_mp.pipeline._timeline import TimelineRecorder
 
 __all__ = ["SessionCore", "StageInfo"]
 
+_CATEGORIES = {Phase.FORWARD: "forward", Phase.BACKWARD: "backward", Phase.WEIGHT: "weight"}  # timeline spans
+
 
 @dataclasses.dataclass(frozen=True)
 class StageInfo:
@@ -317,6 +319,6 @@ class SessionCore:
     def _record_compute(self, since: float) -> None:
         task = current_task()
         if task is not None:
-            category = "forward" if task.phase == Phase.FORWARD else "backward"
+            category = _CATEGORIES[task.phase]
             self.timeline.record(category, task.label, task.microbatch, since)
 

@@ -21,6 +21,7 @@ from lightning_mp.pipeline._handles import materialize
 from lightning_mp.pipeline._messages import POLL_S, Kind, Phase, StepEnd, Task, as_task
 from lightning_mp.pipeline._outputs import OutputStore
 from lightning_mp.pipeline._state import OrderedStateUpdates
+from lightning_mp.pipeline._zero_bubble import run_backward
 
 __all__ = ["Driver"]
 
@@ -45,9 +46,11 @@ class Driver:
         core: the step's shared core.
         store: this rank's store of remote outputs (a finished microbatch's are dropped).
         state_updates: ordered buffer updates, finalised before a microbatch's backward.
-        schedule: ``"interleaved"`` or ``"simple"``.
+        schedule: ``"interleaved"``, ``"zero_bubble"`` or ``"simple"``.
         active_microbatches: at most this many microbatches in flight.
         remote_handles: other stages keep values of a microbatch until told it is done.
+        backward: runs a backward (``_zero_bubble.run_backward``, or ``WeightPasses.backward`` under
+            ``"zero_bubble"``, which defers its weight pass).
     """
 
     def __init__(
@@ -59,8 +62,10 @@ class Driver:
         schedule: str,
         active_microbatches: int,
         remote_handles: bool,
+        backward: Callable[..., None] = run_backward,
     ) -> None:
         self.core, self.store, self.state_updates = core, store, state_updates
+        self.backward = backward
         self.schedule = schedule
         self.active_microbatches = active_microbatches
         self.remote_handles = remote_handles
@@ -136,8 +141,7 @@ class Driver:
         with as_task(back):
             try:
                 self.state_updates.finalize(index)
-                with torch.autograd.set_multithreading_enabled(False):  # [Note: backward on the calling thread]
-                    loss.backward()
+                self.backward([loss], [None])
                 self._finish_microbatch(index, None)
             finally:
                 token.release()

@@ -54,6 +54,7 @@ from lightning_mp.pipeline._rng import MicrobatchRNG
 from lightning_mp.pipeline._server import Server
 from lightning_mp.pipeline._state import OrderedStateUpdates
 from lightning_mp.pipeline._timeline import TimelineRecorder
+from lightning_mp.pipeline._zero_bubble import WeightPasses, run_backward
 
 __all__ = ["PipelineEngine", "PipelineError", "PipelineSession"]
 
@@ -69,7 +70,9 @@ class PipelineEngine:
         transport: framed messages over this replica's pipeline process group (group rank = stage).
         num_stages: pipeline_parallel_degree.
         schedule: ``"interleaved"`` (1F1B priorities, work-conserving: [Note: 1F1B priorities] in
-            ``_scheduler.py``) or ``"simple"`` (GPipe: all forwards of a wave of microbatches, then all backwards).
+            ``_scheduler.py``), ``"zero_bubble"`` (the same, each backward's weight pass deferred into the bubbles:
+            [Note: zero-bubble] in ``_zero_bubble.py``) or ``"simple"`` (GPipe: all forwards of a wave of
+            microbatches, then all backwards).
         active_microbatches: at most this many microbatches in flight on the driver.
         timeout_s: seconds to wait for any reply before raising :class:`PipelineError`.
         forward_context: a context manager factory wrapping every served forward request (e.g. autocast).
@@ -273,11 +276,15 @@ class PipelineSession:
         self.is_driver = engine.is_driver
         self.core = SessionCore(engine._stage_info(), step)
         run_module = functools.partial(engine.placement.run, context=engine.forward_context)
-        self.store = OutputStore(self.core, run_module)
-        self.server = Server(self.core, self.store, run_module, engine.state_updates, engine.remote_handles)
+        split = engine.schedule == "zero_bubble" and engine.num_stages > 1
+        self.weights = WeightPasses(self.core) if split else None  # [Note: zero-bubble] in _zero_bubble.py
+        backward = self.weights.backward if self.weights is not None else run_backward
+        self.store = OutputStore(self.core, run_module, backward)
+        self.server = Server(self.core, self.store, run_module, engine.state_updates, engine.remote_handles, backward)
         self.caller = Caller(self.core, self.store, engine.placement, engine._next_call_id, engine.remote_handles)
         self.driver = Driver(self.core, self.store, engine.state_updates, schedule=engine.schedule,
-                             active_microbatches=engine.active_microbatches, remote_handles=engine.remote_handles)
+                             active_microbatches=engine.active_microbatches, remote_handles=engine.remote_handles,
+                             backward=backward)
 
     @property
     def error(self) -> BaseException | None:
@@ -331,6 +338,11 @@ class PipelineSession:
         replies (and a late "close") of an earlier step instead of failing as out of step.
         """
         core = self.core
+        if self.weights is not None:  # this rank's deferred weight passes complete its gradients
+            try:
+                self.weights.drain()
+            except PipelineError:
+                self.weights.stop()
         if core.error is not None:
             self.server.refuse_queued()
         self.server.wait_idle()

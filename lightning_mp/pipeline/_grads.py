@@ -8,7 +8,8 @@ gets a gradient hook: a microbatch's contribution is accumulated at once when ev
 contributed to that parameter, and otherwise kept aside (autograd accumulates zeros instead) and added as soon as
 the earlier ones have come, or at the end of the step. In the common case (backwards in order) nothing is kept;
 a contribution kept aside costs one gradient-sized buffer until its turn. The result is the in-order sum, so
-same-seed runs are bitwise equal and so are pipeline degrees.
+same-seed runs are bitwise equal and so are pipeline degrees. Under ``"zero_bubble"`` the hooks fire on the
+weight pass, where the parameters accumulate ([Note: zero-bubble] in ``_zero_bubble.py``).
 """
 
 from __future__ import annotations

@@ -261,7 +261,7 @@ class _CallHooks:
             frames.append(None)
             return
         if self.keyed:
-            self.targets.rng.enter(task.microbatch, self.fqn, recompute=task.phase == Phase.BACKWARD)
+            self.targets.rng.enter(task.microbatch, self.fqn, recompute=task.phase != Phase.FORWARD)
         snapshot = self.targets.state_updates.before(module) if self.defer else None
         frames.append((task, snapshot, args, kwargs))
 

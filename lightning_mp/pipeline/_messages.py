@@ -68,10 +68,12 @@ class Kind(Enum):
 
 
 class Phase(IntEnum):
-    """The phase component of a task's priority (smaller sorts first in the ``"simple"`` schedule)."""
+    """The phase component of a task's priority (smaller sorts first in the ``"simple"`` schedule); ``WEIGHT`` is the
+    deferred weight-gradient pass of a backward under ``"zero_bubble"`` ([Note: zero-bubble] in ``_zero_bubble.py``)."""
 
     BACKWARD = 0
     FORWARD = 1
+    WEIGHT = 2
 
 
 @dataclass(frozen=True)
@@ -138,12 +140,12 @@ class Envelope:
 
 @dataclass(frozen=True)
 class Task:
-    """What the current thread is computing: which microbatch, forward or backward."""
+    """What the current thread is computing: which microbatch, forward, backward or weight pass."""
 
     microbatch: int
     phase: Phase
     label: str = "step"  # module FQN of a served request, "step" for the driver's microbatch code
-    ident: tuple = ()  # rank-independent name: ("mb", microbatch, phase) or ("call", call_id, kind)
+    ident: tuple = ()  # rank-independent name: ("mb", microbatch, phase), ("call", call_id, kind), ("w", *backward's)
 
 
 _current = threading.local()

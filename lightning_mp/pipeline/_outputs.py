@@ -19,6 +19,7 @@ import torch
 from lightning_mp.comm import Message, pack, ragged_like
 from lightning_mp.pipeline._core import SessionCore
 from lightning_mp.pipeline._handles import _PackingFor, follow, resolve, walk_containers
+from lightning_mp.pipeline._zero_bubble import run_backward
 from lightning_mp.pipeline._messages import (
     CallId,
     CallRequest,
@@ -59,11 +60,18 @@ class OutputStore:
     Args:
         core: the step's shared core (lock, failure, envelopes).
         run_module: runs a requested module here (``Placement.run`` under the engine's forward context).
+        backward: runs a fetch's backward (see ``Driver``).
     """
 
-    def __init__(self, core: SessionCore, run_module: Callable[[CallRequest, tuple, dict], Any]) -> None:
+    def __init__(
+        self,
+        core: SessionCore,
+        run_module: Callable[[CallRequest, tuple, dict], Any],
+        backward: Callable[..., None] = run_backward,
+    ) -> None:
         self.core = core
         self._run_module = run_module
+        self.backward = backward
         self._outputs: dict[CallId, Future] = {}
         self._leaves: dict[CallId, list[torch.Tensor]] = {}
         self._fetches: dict[CallId, _SavedFetch] = {}
@@ -216,8 +224,9 @@ class OutputStore:
             # microbatch, so each of its fetches is backed through once, and the last frees the graph as it goes.
             # A fetch whose value never reaches the loss (fetched only for a branch, ``if t > 0``) gets no backward:
             # then the graph stays until the microbatch is done (about one message later under 1F1B).
-            with torch.autograd.set_multithreading_enabled(False):  # [Note: backward on the calling thread]
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], retain_graph=retain)
+            with self.core.lock:
+                wanted = [leaf for call_id in request.upstream for leaf in self._leaves.get(call_id, [])]
+            self.backward([o for o, _ in pairs], [g for _, g in pairs], wanted, retain_graph=retain)
         grads = []
         for call_id in request.upstream:
             with self.core.lock:

@@ -40,12 +40,15 @@ def priority(task: Task, schedule: str, stage: int, num_stages: int) -> Priority
 
     Args:
         task: the task asking for the compute token.
-        schedule: ``"simple"`` (GPipe: backward before forward, then by microbatch) or ``"interleaved"`` (1F1B).
+        schedule: ``"simple"`` (GPipe: backward before forward, then by microbatch), ``"interleaved"`` (1F1B) or
+            ``"zero_bubble"`` (1F1B's order for forwards and input passes, each weight pass after the next backward).
     """
     if schedule == "simple":
         return (task.phase, task.microbatch)
     if task.phase == Phase.FORWARD:
         return (2 * task.microbatch, task.phase)
+    if task.phase == Phase.WEIGHT:
+        return (2 * (task.microbatch + num_stages - stage) + 1, task.phase)
     return (2 * (task.microbatch + num_stages - stage) - 1, task.phase)
 
 
@@ -56,7 +59,10 @@ def priority(task: Task, schedule: str, stage: int, num_stages: int) -> Priority
 # 1F1B schedule the order is work-conserving: when the preferred task is not ready (its message has not
 # arrived, or the call graph is not a chain), the next ready one runs instead. Plain "backward first" starved the
 # later stages: stage 0 ran every ready backward before feeding the next forward downstream, and stage 1 sat idle
-# (benchmarks/pipeline_vs_torch.py measures the schedules).
+# (benchmarks/pipeline_vs_torch.py measures the schedules). With ``pipeline="zero_bubble"`` the weight pass of
+# backward k (Phase.WEIGHT, [Note: zero-bubble] in ``_zero_bubble.py``) sorts at 2(k + P - s) + 1, after backward
+# k + 1 and before forward k + P - s + 1: ... B(k) F(k+P-s) B(k+1) W(k) F(k+P-s+1) ..., and any wait for a message
+# runs the pending weight passes (ZB-H1's order, Qi et al. 2023, with one weight pass pending beyond 1F1B's memory).
 
 
 class OrderDivergedError(RuntimeError):

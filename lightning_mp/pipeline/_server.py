@@ -42,6 +42,7 @@ from lightning_mp.pipeline._messages import (
 )
 from lightning_mp.pipeline._outputs import OutputStore
 from lightning_mp.pipeline._state import OrderedStateUpdates
+from lightning_mp.pipeline._zero_bubble import run_backward
 
 __all__ = ["Server"]
 
@@ -75,6 +76,7 @@ class Server:
         run_module: runs a requested module here (``Placement.run`` under the engine's forward context).
         state_updates: ordered buffer updates, finalised before a backward runs.
         remote_handles: requests may be one-way calls with references ([Note: remote handles]).
+        backward: runs a backward (see ``Driver``).
     """
 
     def __init__(
@@ -84,8 +86,10 @@ class Server:
         run_module: Callable[[CallRequest, tuple, dict], Any],
         state_updates: OrderedStateUpdates,
         remote_handles: bool,
+        backward: Callable[..., None] = run_backward,
     ) -> None:
         self.core, self.store, self._run_module = core, store, run_module
+        self.backward = backward
         self.state_updates = state_updates
         self.remote_handles = remote_handles
         lock = core.lock
@@ -405,8 +409,7 @@ class Server:
             saved = self._saved.pop(envelope.call_id)
         pairs = [(out, ragged_like(g, out)) for out, g in zip(saved.outputs, request.grad_outputs) if g is not None]
         if pairs:
-            with torch.autograd.set_multithreading_enabled(False):  # [Note: backward on the calling thread]
-                torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+            self.backward([out for out, _ in pairs], [grad for _, grad in pairs], saved.leaves)
         return self.core.envelope(Kind.REPLY, envelope.call_id, [leaf.grad for leaf in saved.leaves], envelope.microbatch)
 
 

@@ -6,6 +6,8 @@ attribute check per event then. Switched on (``start()``), it keeps every event 
 - ``"forward"`` / ``"backward"``: a task held this rank's compute token (it computed) for one microbatch.
   ``name`` is the module FQN a served request ran, or ``"step"`` for the driver's own microbatch code
   (the user's ``training_step`` and the local modules it calls).
+- ``"weight"``: a deferred weight pass of ``pipeline="zero_bubble"`` computed (``name`` as its backward's; [Note:
+  zero-bubble] in ``_zero_bubble.py``); under that schedule ``"backward"`` spans are the input passes only.
 - ``"send"``: a message left this rank (``name`` = ``"to stage <k>"``); the span is the time the backend took.
 - ``"recv"``: a message arrived (``name`` = ``"from stage <k>"``); the span runs from its first frame's arrival
   to the rebuilt object (the wait *for* the message is not part of it).
@@ -29,7 +31,7 @@ class TimelineEvent:
     """One span on one rank.
 
     Attributes:
-        category: ``"forward"``, ``"backward"``, ``"send"`` or ``"recv"``.
+        category: ``"forward"``, ``"backward"``, ``"weight"``, ``"send"`` or ``"recv"``.
         name: module FQN (or ``"step"``) for compute; ``"to stage k"`` / ``"from stage k"`` for messages.
         microbatch: the microbatch index the work belongs to (0 for messages that belong to none).
         start_s: start, ``time.perf_counter()`` seconds.

@@ -124,11 +124,11 @@ def _train_pipelined(engine: PipelineEngine, name: str, scenario: Scenario) -> d
     return result
 
 
-def _all_scenarios(rank: int, world_size: int) -> dict[str, dict]:
+def _all_scenarios(rank: int, world_size: int, schedule: str = "interleaved") -> dict[str, dict]:
     transport = Transport(dist.new_group(list(range(world_size))), torch.device("cpu"))
     results = {}
     for name, scenario in SCENARIOS.items():
-        engine = PipelineEngine(transport, world_size, active_microbatches=3, timeout_s=60)
+        engine = PipelineEngine(transport, world_size, schedule=schedule, active_microbatches=3, timeout_s=60)
         try:
             results[name] = _train_pipelined(engine, name, scenario)
         except Exception:  # noqa: BLE001 - reported by the scenario's test; the next scenarios still run

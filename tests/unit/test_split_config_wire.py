@@ -108,7 +108,7 @@ def test_indivisible_batch_is_a_clear_error():
     [
         ({"tensor_parallel_degree": 0}, "`tensor_parallel_degree` must be an integer >= 1, got 0"),
         ({"microbatches": 0}, "`microbatches` must be an integer >= 1, got 0"),
-        ({"pipeline": "1f1b"}, "`pipeline` must be 'interleaved' or 'simple'"),
+        ({"pipeline": "1f1b"}, "`pipeline` must be one of 'interleaved', 'simple', 'zero_bubble'"),
         ({"pipeline_parallel_degree": 2, "partition": {"h.0": 2}}, r"Stage 2 for 'h.0' is out of range: stages are 0..1"),
         ({"memory_weight": 1.5}, r"`memory_weight` must be in \[0, 1\], got 1.5"),
         ({"timeout": timedelta(0)}, "`timeout` must be positive"),
