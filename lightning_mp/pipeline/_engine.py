@@ -338,14 +338,14 @@ class PipelineSession:
         replies (and a late "close") of an earlier step instead of failing as out of step.
         """
         core = self.core
+        if core.error is not None:
+            self.server.refuse_queued()
+        self.server.wait_idle()  # a backward still being served defers its weight pass: before the drain
         if self.weights is not None:  # this rank's deferred weight passes complete its gradients
             try:
                 self.weights.drain()
             except PipelineError:
                 self.weights.stop()
-        if core.error is not None:
-            self.server.refuse_queued()
-        self.server.wait_idle()
         for peer in core.peers:
             core.send_quietly(core.envelope(Kind.CLOSE), peer)
         core.close_order()

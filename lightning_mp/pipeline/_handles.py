@@ -381,7 +381,14 @@ class RemoteValue:
         return nbytes <= _SMALL_ARGUMENTS_NBYTES
 
     def _rv_record(self, op: _Op) -> RemoteValue:
-        """A handle for ``op`` applied to this one's value; nothing is sent."""
+        """A handle for ``op`` applied to this one's value; nothing is sent. Local tensor arguments (labels, class
+        weights: small, see ``_rv_may_record``) are copied now, so an in-place change after this line does not
+        reach the loss the owner computes later (eager code reads them at this line)."""
+        if op.kind == "function":
+            args, kwargs = pytree.tree_map(
+                lambda t: t.clone() if type(t) is torch.Tensor else t, (op.args, op.kwargs), is_leaf=_is_remote
+            )
+            op = _Op(op.kind, op.target, args, kwargs, op.grad_enabled)
         child = RemoteValue(self._rv_session, self._rv_stage, self._rv_call_id, self._rv_microbatch,
                             self._rv_path + (op,), self, self._rv_upstream, self._rv_label)
         child._rv_op, child._rv_has_op, child._rv_local = op, True, op.kind in ("view", "getitem")
@@ -550,8 +557,8 @@ def _fetch_module_inputs(module: Any, args: tuple) -> tuple | None:
     pre-hooks see no keyword arguments; handles there, or deeper in containers, fetch when touched). A loss module
     (``nn.CrossEntropyLoss``, ...) keeps them: its ``F`` function runs on the owner ([Note: the loss where the
     logits are])."""
-    if isinstance(module, torch.nn.modules.loss._Loss):
-        return None
+    if isinstance(module, torch.nn.modules.loss._Loss) and type(module).__module__ == "torch.nn.modules.loss":
+        return None  # torch's own; a user's ``_Loss`` subclass may inspect its inputs: it gets values
     if any(_is_remote(a) for a in args):
         return tuple(a._rv_materialize() if _is_remote(a) else a for a in args)
     return None

@@ -10,6 +10,7 @@ the driver has finished it and every request of it received so far has run.
 from __future__ import annotations
 
 import collections
+from contextlib import AbstractContextManager as ContextManager, nullcontext
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,7 @@ import torch
 
 from lightning_mp.comm import Message, pack, ragged_like
 from lightning_mp.pipeline._core import SessionCore
-from lightning_mp.pipeline._handles import _PackingFor, follow, resolve, walk_containers
+from lightning_mp.pipeline._handles import _Op, _PackingFor, follow, resolve, walk_containers
 from lightning_mp.pipeline._zero_bubble import run_backward
 from lightning_mp.pipeline._messages import (
     CallId,
@@ -185,11 +186,15 @@ class OutputStore:
                 self._leaves[envelope.call_id] = leaves
         self.record(envelope.call_id, ("ok", output))
 
-    def run_get(self, envelope: Envelope) -> Any:
+    def run_get(self, envelope: Envelope, compute: Callable[[], ContextManager] = nullcontext) -> Any:
         """A fetch: the packed reply with (part of) a stored output; keep its differentiable tensors for the
-        fetch's backward."""
+        fetch's backward. A path that computes (a recorded loss, [Note: the loss where the logits are]) runs inside
+        ``compute()`` (the caller's hold of the compute token), after the output exists: one computation at a time."""
         request: GetRequest = envelope.body
-        depth, value = walk_containers(self.resolve(request.call_id, (), envelope.microbatch), request.path)
+        root = self.resolve(request.call_id, (), envelope.microbatch)
+        computes = any(type(key) is _Op and key.kind == "function" for key in request.path)
+        with compute() if computes else nullcontext():
+            depth, value = walk_containers(root, request.path)
         with _PackingFor(None, None):  # remote values inside it are fetched here and sent as data
             reply = pack(self.core.envelope(Kind.REPLY, envelope.call_id, (depth, value), envelope.microbatch))
         outputs = [t for t in reply.tensors if t.requires_grad and differentiable(t)]

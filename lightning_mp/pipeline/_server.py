@@ -359,9 +359,11 @@ class Server:
         task = Task(envelope.microbatch, _phase(kind), _label(envelope), ident=("call", envelope.call_id, kind))
         reply: Any = None
         try:
-            if kind == Kind.GET:  # no compute: sends a value that exists (or waits for it) without the token
-                with as_task(task):
-                    reply = self.store.run_get(envelope)
+            if kind == Kind.GET:  # sends a value that exists (or waits for it) without the token; a recorded loss
+                with as_task(task):  # on it is computed holding the token, once the value exists
+                    reply = self.store.run_get(
+                        envelope, lambda: self.core.token.hold(self.core.priority(task), self.core.grant_key(task))
+                    )
             else:
                 if kind == Kind.CALL:
                     self.store.await_outputs(refs or [], task.label)

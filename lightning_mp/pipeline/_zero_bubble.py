@@ -49,7 +49,7 @@ from torch.autograd.graph import GradientEdge, Node
 
 from lightning_mp.comm import REMOTE_ANCHOR
 from lightning_mp.pipeline._core import SessionCore
-from lightning_mp.pipeline._messages import POLL_S, Phase, Task, as_task, current_task
+from lightning_mp.pipeline._messages import POLL_S, Phase, PipelineError, Task, as_task, current_task
 
 __all__ = ["WeightPass", "WeightPasses", "run_backward", "split_backward"]
 
@@ -365,6 +365,9 @@ class WeightPasses:
             return
         weight = Task(task.microbatch, Phase.WEIGHT, task.label, ident=("w", *task.ident))
         with self._cv:
+            if self._stopped:  # after the drain (a late request of a failed step): nothing to defer to
+                self.core.raise_if_failed()
+                raise PipelineError(f"a backward of {task.label!r} ran after this step's weight passes ended")
             self._queue.append((weight, weight_pass))
             start, self._started = not self._started, True
             self._cv.notify_all()

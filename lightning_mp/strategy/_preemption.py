@@ -8,16 +8,22 @@ whatever point the main thread was interrupted) and by a broadcast of global ran
 its other checks read each rank's own flag. Under a pipeline the handler's broadcast meets the engine's messages
 or another collective: measured, a SIGTERM to the launcher of a 2-stage run aborted rank 1 in gloo ("Received
 data size doesn't match expected size") and no checkpoint was written. Here the handler only records the signal
-(and forwards it to the ranks this process started, as Lightning's does); every step hook of every rank first
+(and forwards it to the ranks this process started, as Lightning's does); every training step of every rank first
 agrees on it with one all-reduce (MAX) over the world, and on agreement sets ``received_sigterm`` on every rank in
-the same step. That step runs to its end; Lightning's own checks then raise ``SIGTERMException`` on every rank at
-the same boundary (after the training step, or after the evaluation batch), where ``on_exception`` can save
-collectively. A rank that alone received the signal stops the whole job the same way.
+the same step. That step runs to its end; Lightning's own check then raises ``SIGTERMException`` on every rank at
+the same boundary (after the training step), where ``on_exception`` can save collectively. A rank that alone
+received the signal stops the whole job the same way. Only training steps agree: every rank runs the same training
+batches (Lightning itself broadcasts a flag at each one), while evaluation and predict loaders may give replicas
+different numbers of batches (predict's sampler does not repeat samples), so a collective there could wait for a
+rank that has finished; a SIGTERM during validation is acted on at the next training step, and one during
+``validate``/``test``/``predict`` alone is not (Lightning's evaluation loops do not check the flag either).
 
 [Note: Ctrl-C exits in bounded time] On SIGINT Lightning runs ``on_exception``, tears down and exits, but a rank
 whose main thread waits in a collective for a rank that already left only returns when gloo notices. The first
 SIGINT in a rank (while a ``Trainer`` runs) starts a timer: ``INTERRUPT_GRACE_S`` later, a rank still alive kills
-the ranks it started (SIGKILL) and leaves with status 130, as a shell reports Ctrl-C.
+the ranks it started (SIGKILL) and leaves with status 130, as a shell reports Ctrl-C. The timer also bounds
+``on_exception``: an ``OnExceptionCheckpoint`` save on Ctrl-C that takes longer is cut, and loses nothing already
+saved (a DCP save is written under a hidden partial name and committed only when complete; see ``_checkpoint``).
 """
 
 from __future__ import annotations
@@ -53,7 +59,6 @@ class Preemption:
     def install(self, trainer: Any) -> None:
         """Take over Lightning's SIGTERM notifier (before ``Trainer`` registers its handlers, i.e. in ``setup``) and,
         in the main thread, SIGINT while the ``Trainer`` runs (unless the program set its own SIGINT handler)."""
-        self.pending = False
         self._launcher = trainer.strategy.launcher
         connector = trainer._signal_connector
         connector._sigterm_notifier_fn = self._notify_sigterm  # Lightning composes its handler from this attribute
@@ -70,12 +75,13 @@ class Preemption:
     def agree(self, trainer: Any, device: torch.device) -> None:
         """Whether any rank received SIGTERM, agreed by every rank at the start of the same step: on agreement
         ``trainer.received_sigterm`` becomes ``True`` on every rank (Lightning stops after this step). A collective
-        over the world group: every rank calls it from the same step hook."""
+        over the world group: every rank calls it from the same training step (see the Note)."""
         if trainer.received_sigterm or not (dist.is_available() and dist.is_initialized()):
             return
         flag = torch.tensor([1 if self.pending else 0], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item():
+            self.pending = False  # agreed (a SIGTERM between two Trainer runs stays pending for the next one)
             trainer._signal_connector.received_sigterm = True
             rank_zero_info("lightning_mp: SIGTERM received; every rank stops after this step (SIGTERMException).")
 

@@ -232,7 +232,7 @@ class SMPStrategy(ParallelStrategy):
         ``last`` under the callbacks' file suffix)."""
         check_before_launch(self.config, self.num_nodes * self.num_processes, function, args, kwargs)
         if trainer is not None and self.config.save_distributed_checkpoint:
-            _checkpoint.name_checkpoint_folders(trainer.checkpoint_callbacks)
+            _checkpoint.name_checkpoint_folders(trainer.checkpoint_callbacks, announce=False)
 
     @override
     def setup_environment(self) -> None:
@@ -378,21 +378,18 @@ class SMPStrategy(ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._preemption.agree(self.lightning_module.trainer, self.root_device)
         with self._gathered():
             summary = self._runner.run("validation_step", self.precision_plugin.val_step_context, args, kwargs)
         return move_data_to_device(summary.output, self.root_device)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._preemption.agree(self.lightning_module.trainer, self.root_device)
         with self._gathered():
             summary = self._runner.run("test_step", self.precision_plugin.test_step_context, args, kwargs)
         return move_data_to_device(summary.output, self.root_device)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._preemption.agree(self.lightning_module.trainer, self.root_device)
         with self._gathered():
             summary = self._runner.run("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
         return move_data_to_device(summary.output, self.root_device)

@@ -43,18 +43,25 @@ __all__ = [
 
 METADATA_FILENAME = "meta.pt"
 
-def name_checkpoint_folders(callbacks: list[Any]) -> None:
+def name_checkpoint_folders(callbacks: list[Any], announce: bool = True) -> None:
     """Name DCP folders without the ``.ckpt`` file suffix (``last``, ``epoch=0-step=3``), once per callback.
 
     ``ModelCheckpoint`` names checkpoints ``*.ckpt``; a folder under that name looks like a file that
     ``Model.load_from_checkpoint`` could open (it raises ``IsADirectoryError``). Callbacks whose ``FILE_EXTENSION``
-    the user changed are left alone.
+    the user changed are left alone. ``announce=False`` (at launch, before ``ckpt_path="last"`` is resolved and
+    before the log folder is known) renames silently; the first call with ``announce=True`` (at setup) says where
+    the folders land.
     """
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     for callback in callbacks:
-        if isinstance(callback, ModelCheckpoint) and callback.FILE_EXTENSION == ".ckpt":
+        if not isinstance(callback, ModelCheckpoint):
+            continue
+        if callback.FILE_EXTENSION == ".ckpt":
             callback.FILE_EXTENSION = ""
+            callback._lightning_mp_folders = True
+        if announce and getattr(callback, "_lightning_mp_folders", False):
+            del callback._lightning_mp_folders  # said once
             names = ["last"] if callback.save_last else []
             names += [] if callback.save_top_k == 0 else [callback.filename or "epoch=E-step=S"]
             where = callback.dirpath or "<log dir>/checkpoints"
@@ -63,6 +70,7 @@ def name_checkpoint_folders(callbacks: list[Any]) -> None:
                 f" '.ckpt': {' and '.join(f'{where}/{n}' for n in names) or 'none is saved'}. Pass"
                 " `save_distributed_checkpoint=False` to the strategy for one Lightning .ckpt file instead."
             )
+
 
 PARTIAL_SUFFIX = ".partial"
 
