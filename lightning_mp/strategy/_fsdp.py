@@ -41,7 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-__all__ = ["ShardedStage", "local_tensor", "shard_stage", "wrapping_units"]
+__all__ = ["ShardedStage", "check_fsdp_api", "local_tensor", "shard_stage", "wrapping_units"]
 
 
 def wrapping_units(module: nn.Module, stage_of: Mapping[str, int], stage: int) -> list[str]:
@@ -90,6 +90,39 @@ def shard_stage(module: nn.Module, mesh: DeviceMesh, stage_of: Mapping[str, int]
     sharded = ShardedStage(module, attributes)
     sharded.gather()
     return sharded
+
+
+def check_fsdp_api() -> None:
+    """Check that this torch has the FSDP2 internals :class:`ShardedStage` drives (see [Note: sharded stages]) and
+    ``DeviceMesh._unflatten`` (HSDP's mesh in ``topology.py``): private APIs, tested with torch 2.13.
+
+    Raises:
+        ValueError: naming torch's version and what is missing, so that ``sharded_data_parallel_degree > 1`` fails
+            in the launching process instead of midway through setup.
+    """
+    missing = []
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    except ImportError as err:
+        missing.append(f"torch.distributed.fsdp._fully_shard ({err})")
+    else:
+        state = FSDPState()
+        wanted = {
+            FSDPState: ("_lazy_init", "_root_post_backward_final_callback"),
+            FSDPParamGroup: ("lazy_init", "unshard", "wait_for_unshard", "reshard", "post_backward"),
+            FSDPModule: ("set_is_last_backward", "set_reshard_after_backward", "set_requires_gradient_sync",
+                         "set_reduce_scatter_unused_params"),
+            DeviceMesh: ("_unflatten",),
+        }
+        missing += [f"{cls.__name__}.{name}" for cls, names in wanted.items() for name in names if not hasattr(cls, name)]
+        missing += [f"FSDPState().{name}" for name in ("_fsdp_param_groups", "_state_ctx") if not hasattr(state, name)]
+    if missing:
+        raise ValueError(
+            f"sharded_data_parallel_degree > 1 drives FSDP2 internals that torch {torch.__version__} lacks: "
+            f"{', '.join(missing)}. It was built and tested with torch 2.13; install that version, or set "
+            "sharded_data_parallel_degree=1 (shard_optimizer_state=True shards the optimizer state only)."
+        )
 
 
 class ShardedStage:

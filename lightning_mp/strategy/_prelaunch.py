@@ -15,6 +15,7 @@ from collections.abc import Callable
 from torch.utils.data import DataLoader
 
 from lightning_mp.config import SMPConfig
+from lightning_mp.strategy._fsdp import check_fsdp_api
 from lightning_mp.strategy._placement import read_plan
 from lightning_mp.topology import Topology
 
@@ -39,11 +40,15 @@ def check_before_launch(
             the batch size known now does not divide into ``microbatches``, or ``partition_plan`` is unreadable or
             has another number of stages.
         FileNotFoundError: if ``partition_plan`` holds no plan.
+        ValueError: under ``sharded_data_parallel_degree > 1``, if this torch lacks the FSDP2 internals it drives
+            (``_fsdp.check_fsdp_api``).
     """
     Topology(
         world_size, 0, config.pipeline_parallel_degree, config.tensor_parallel_degree, config.placement_strategy,
         config.sharded_data_parallel_degree,
     )
+    if config.sharded_data_parallel_degree > 1:
+        check_fsdp_api()
     known = _known_batch_size(function, args, kwargs)
     if known is not None and known[1] % config.microbatches:
         where, size = known

@@ -7,7 +7,7 @@ import pytest
 from torch import nn
 
 from lightning_mp import SMPConfig, SMPStrategy
-from lightning_mp.strategy._fsdp import wrapping_units
+from lightning_mp.strategy._fsdp import check_fsdp_api, wrapping_units
 from lightning_mp.topology import GroupName, Topology, plan_process_groups
 from tests.models import TinyLM
 
@@ -65,3 +65,14 @@ def test_wrapping_units_are_the_outermost_blocks_and_partitioned_subtrees():
     assert wrapping_units(model, stage_of, 1) == ["net.blocks.2", "net.head"]  # a subtree under stage 0
     model.net.blocks[2] = nn.Sequential(nn.Sequential(nn.Linear(2, 2)))
     assert wrapping_units(model, {}, 0) == ["net.blocks.0", "net.blocks.1", "net.blocks.2"]
+
+
+def test_the_fsdp2_internals_sharding_drives_exist_and_their_absence_is_named(monkeypatch):
+    """A torch upgrade that drops a private FSDP2 API fails here (and at launch, before any process), not midway
+    through setup."""
+    check_fsdp_api()  # this torch has them all
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    monkeypatch.delattr(FSDPParamGroup, "wait_for_unshard")
+    with pytest.raises(ValueError, match=r"lacks: FSDPParamGroup.wait_for_unshard\. .*torch 2.13"):
+        check_fsdp_api()
