@@ -80,6 +80,18 @@ def _apply_manual(
     return result
 
 
+def _check_whole(trace: ModelTrace, stage_of: Mapping[str, int], whole: frozenset[str]) -> None:
+    for fqn in sorted(whole):
+        inside = {m: stage_of[m] for m in trace.modules if m == fqn or m.startswith(f"{fqn}.")}
+        if len(set(inside.values())) > 1:
+            where = ", ".join(f"{m!r} -> {s}" for m, s in inside.items() if s != stage_of[fqn])
+            raise ValueError(
+                f"the manual placement splits module {fqn!r} (stage {stage_of[fqn]}) over stages ({where}); it runs"
+                " as one piece (tensor parallelism swaps it whole, its intermediate activations are sharded): place"
+                f" {fqn!r} and all of its submodules on one stage"
+            )
+
+
 def _check_shared_groups(trace: ModelTrace, stage_of: Mapping[str, int]) -> None:
     for group in trace.shared_groups:
         if len({stage_of[fqn] for fqn in group}) > 1:

@@ -22,10 +22,16 @@ class _CostModel:
     """Per-subtree FLOPs, bytes, call order and shared-group membership of a trace."""
 
     def __init__(
-        self, trace: ModelTrace, memory_weight: float, optimizer_state_factor: float = 3.0, replicate: bool = False
+        self,
+        trace: ModelTrace,
+        memory_weight: float,
+        optimizer_state_factor: float = 3.0,
+        replicate: bool = False,
+        whole: frozenset[str] = frozenset(),
     ) -> None:
         self.trace = trace
         self.replicate = replicate
+        self.whole = whole  # never expanded: see [Note: partition algorithm]
         self.memory_weight = memory_weight
         self.optimizer_state_factor = optimizer_state_factor
         records = trace.modules
@@ -109,7 +115,7 @@ class _CostModel:
 
     def expandable(self, item: _Item) -> bool:
         fqn, is_residual = item
-        return not is_residual and bool(self.called_children(fqn))
+        return not is_residual and fqn not in self.whole and bool(self.called_children(fqn))
 
     def expand(self, fqn: str) -> list[_Item]:
         return [(fqn, True)] + [(child, False) for child in self.called_children(fqn)]

@@ -27,6 +27,9 @@ The root residual is always the first node, so the root and its own parameters l
 registered under several FQNs is one piece: its other names and their submodules go with its first name (see
 [Note: aliased modules] in ``_CostModel``).
 Manual placements are applied on top; the innermost entry wins for its subtree.
+A *whole* module (``whole=``: one that tensor parallelism replaces by one distributed module, whose column- and
+row-parallel halves pass a sharded intermediate between them) is never expanded: its subtree is one node, and a
+manual map that splits it is refused.
 
 [Note: tied weights] A parameter held by several modules (a tied embedding and LM head) is either *co-located*
 (``tied_weights="colocate"``: its holders form one super-node, as above) or *replicated* (``"replicate"``: only
@@ -45,7 +48,7 @@ far apart (a block shared across depth), which co-location would pull onto one s
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +61,7 @@ from lightning_mp.partition._checks import (
     _check_num_stages,
     _check_shared_groups,
     _check_stage,
+    _check_whole,
     _with_aliases,
 )
 from lightning_mp.partition._cost import _CostModel, _stage_costs
@@ -233,6 +237,7 @@ def plan(
     default_partition: int = 0,
     optimizer_state_factor: float = 3.0,
     tied_weights: str = "colocate",
+    whole: Collection[str] = (),
 ) -> PartitionPlan:
     """Places every module of a traced model on one of ``num_stages`` pipeline stages.
 
@@ -255,6 +260,8 @@ def plan(
         tied_weights: ``"colocate"`` (modules sharing a parameter on one stage), ``"replicate"`` (they may sit on
             different stages, each holding a copy) or ``"auto"`` (plan both, keep the replicated plan when its
             largest stage cost, copies charged, is lower by more than 1%); see [Note: tied weights].
+        whole: FQNs of modules whose subtree must lie on one stage (never cut inside), e.g. the modules tensor
+            parallelism swaps whole (:func:`lightning_mp.tp.whole_swaps`); unknown names are ignored.
 
     Returns:
         The :class:`PartitionPlan`.
@@ -263,20 +270,22 @@ def plan(
         ValueError: if ``num_stages < 1``; ``memory_weight`` is outside ``[0, 1]``; a stage is out
             of range; ``manual`` names an unknown module or puts the root off stage 0; the model
             has fewer placeable modules than ``num_stages``; under ``tied_weights="colocate"``, modules sharing
-            a parameter end up on different stages; or a stage ends up with no modules.
+            a parameter end up on different stages; ``manual`` splits a ``whole`` module over stages; or a
+            stage ends up with no modules.
     """
     if tied_weights not in TIED_WEIGHTS:
         raise ValueError(f"tied_weights must be one of {TIED_WEIGHTS}, got {tied_weights!r}")
+    whole = frozenset(whole).intersection(trace.modules)
     if tied_weights != "auto" or not trace.shared_parameters:
         return _plan(trace, num_stages, memory_weight, manual, auto_partition, default_partition,
-                     optimizer_state_factor, replicate=tied_weights == "replicate")
+                     optimizer_state_factor, replicate=tied_weights == "replicate", whole=whole)
     try:
         colocated = _plan(trace, num_stages, memory_weight, manual, auto_partition, default_partition,
-                          optimizer_state_factor, replicate=False)
+                          optimizer_state_factor, replicate=False, whole=whole)
     except ValueError:  # e.g. a manual map that splits a tie, or too few nodes once ties are merged
         colocated = None
     replicated = _plan(trace, num_stages, memory_weight, manual, auto_partition, default_partition,
-                       optimizer_state_factor, replicate=True)
+                       optimizer_state_factor, replicate=True, whole=whole)
     if colocated is None or max(replicated.stage_costs) < max(colocated.stage_costs) * (1.0 - _REPLICATE_GAIN):
         return replicated
     return colocated
@@ -291,6 +300,7 @@ def _plan(
     default_partition: int,
     optimizer_state_factor: float,
     replicate: bool,
+    whole: frozenset[str] = frozenset(),
 ) -> PartitionPlan:
     _check_num_stages(num_stages)
     if not 0.0 <= memory_weight <= 1.0:
@@ -299,7 +309,7 @@ def _plan(
     if manual:
         _check_manual(trace, manual, num_stages)
         manual = _with_aliases(trace, manual)
-    costs = _CostModel(trace, memory_weight, optimizer_state_factor, replicate=replicate)
+    costs = _CostModel(trace, memory_weight, optimizer_state_factor, replicate=replicate, whole=whole)
     if auto_partition:
         stage_of = _auto_stages(costs, num_stages)
     else:
@@ -307,6 +317,7 @@ def _plan(
         stage_of[_ROOT] = 0
     if manual:
         stage_of = _apply_manual(trace, stage_of, manual)
+    _check_whole(trace, stage_of, whole)
     if not replicate:
         _check_shared_groups(trace, stage_of)
     _check_aliases_together(trace, stage_of)

@@ -29,10 +29,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_mp.config import SMPConfig
 from lightning_mp.memory._host import fix_mmap_threshold
+from lightning_mp.nn import translate_hf
 from lightning_mp.partition import ModelTrace, PartitionPlan, manual_placements, plan, trace
 from lightning_mp.pipeline import split_microbatches
 from lightning_mp.strategy._delayed import needs_real_values, trace_per_call
 from lightning_mp.strategy._launch import print_on_one_rank
+from lightning_mp.tp import whole_swaps
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -91,6 +93,7 @@ def make_plan(
         auto_partition=config.auto_partition,
         default_partition=config.default_partition,
         tied_weights=_planned_ties(config),
+        whole=whole_swaps(module, [translate_hf]) if config.tensor_parallel_degree > 1 else (),
     )
     if trainer.state.fn == TrainerFn.FITTING:
         _check_every_stage_has_parameters(stages, model_trace)

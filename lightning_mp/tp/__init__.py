@@ -44,7 +44,7 @@ from lightning_mp.tp._sharding import (
     shard_spec,
     unshard,
 )
-from lightning_mp.tp._swap import Builder, load_from
+from lightning_mp.tp._swap import Builder, load_from, whole_swaps
 
 __all__ = [
     "Builder",
@@ -86,4 +86,5 @@ __all__ = [
     "tp_register_with_module",
     "tp_size",
     "unshard",
+    "whole_swaps",
 ]

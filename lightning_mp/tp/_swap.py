@@ -29,7 +29,7 @@ from lightning_mp.tp._random import install_sharded_random
 from lightning_mp.tp._registry import Registration, TPMark, registration_for, tp_mark
 from lightning_mp.tp._sharding import TPGroup, shard_spec
 
-__all__ = ["Builder", "SwapReport", "Translation", "swap_modules"]
+__all__ = ["Builder", "SwapReport", "Translation", "swap_modules", "whole_swaps"]
 
 Builder = Callable[[nn.Module, TPGroup], nn.Module]
 """Build the distributed counterpart of a module (raises ``ValueError`` with the reason if it cannot)."""
@@ -148,12 +148,30 @@ def swap_modules(
     return walk.report
 
 
+def whole_swaps(root: nn.Module, translations: Iterable[Translation] = ()) -> list[str]:
+    """FQNs of the modules with submodules that :func:`swap_modules` would replace whole, found without building.
+
+    Such a module must run on one pipeline stage: its distributed counterpart passes sharded activations between
+    its column- and row-parallel parts (a transformer block's MLP hidden features), which a stage boundary inside
+    it would cut (see [Note: partition algorithm]). Every candidate counts, also one whose build would fail (an
+    indivisible head count): keeping it whole is then merely coarser.
+
+    Args:
+        root: the model, marked and not swapped yet; not changed.
+        translations: as for :func:`swap_modules`.
+    """
+    walk = _Walk(None, list(translations), lambda fqn: True, {}, dry_run=True)
+    walk.visit(root, "", None)
+    return [fqn for fqn, module in walk.built.items() if next(module.children(), None) is not None]
+
+
 @dataclass
 class _Walk:
-    tp: TPGroup
+    tp: TPGroup | None
     translations: list[Translation]
     owns: Callable[[str], bool]
     defaults: dict
+    dry_run: bool = False  # choose only: the module itself stands for its counterpart
     built: dict[str, nn.Module] = field(default_factory=dict)
     report: SwapReport = field(default_factory=SwapReport)
     planned: dict[str, Builder | str] = field(default_factory=dict)
@@ -181,6 +199,8 @@ class _Walk:
         registration = None if translated else registration_for(module)
         if registration is None:
             self.translate(module, fqn)
+        if self.dry_run:
+            return module if registration is not None or callable(self.planned.get(fqn)) else None
         try:
             if registration is not None:
                 return build_registered(module, registration, self.tp, mark.kwargs, self.defaults)

@@ -24,10 +24,11 @@ STEPS, GLOBAL_BATCH, VOCAB, T = 3, 4, 33, 8  # an odd vocabulary: padded vocab-p
 
 
 class TinyTPGPT(TPGPT):
-    def __init__(self, n_head: int = 4) -> None:
+    def __init__(self, n_head: int = 4, vocab_size: int = VOCAB) -> None:
         n_embd = 4 * n_head
         super().__init__(
-            vocab_size=VOCAB, block_size=T, n_layer=2, n_head=n_head, n_embd=n_embd, learning_rate=1e-2, warmup_steps=1
+            vocab_size=vocab_size, block_size=T, n_layer=2, n_head=n_head, n_embd=n_embd, learning_rate=1e-2,
+            warmup_steps=1,
         )
 
     def training_step(self, batch, batch_idx):
@@ -73,16 +74,19 @@ class Record(RecordTraining):
             "grads": self.grads,
             "modules": sorted({type(m).__name__ for m in pl_module.modules()}),
             "n_head": pl_module.hparams.get("n_head"),
+            "vocab_size": pl_module.hparams.get("vocab_size"),
             "sequence_parallel": getattr(self, "sequence_parallel", False),
             "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
             "samples": float(trainer.callback_metrics.get("samples", float("nan"))),
         }
 
 
-def _fit(out_dir: str, strategy=None, devices: int = 1, n_head: int = 4, **trainer_kwargs) -> list[dict]:
+def _fit(
+    out_dir: str, strategy=None, devices: int = 1, n_head: int = 4, vocab_size: int = VOCAB, **trainer_kwargs
+) -> list[dict]:
     torch.manual_seed(0)
     return fit_and_collect(
-        TinyTPGPT(n_head), out_dir, devices=devices, strategy=strategy, max_steps=STEPS, record=Record(out_dir),
+        TinyTPGPT(n_head, vocab_size), out_dir, devices=devices, strategy=strategy, max_steps=STEPS, record=Record(out_dir),
         num_sanity_val_steps=0, use_distributed_sampler=False, **trainer_kwargs,
     )
 
@@ -119,6 +123,21 @@ def test_gpt_fit_matches_one_process(tmp_path, pp, tp, dp, microbatches, trainer
     assert "DistributedTransformerLayer" in results[0]["modules"] and "Block" not in results[0]["modules"]
     assert results[0]["sequence_parallel"] == (optimize == "memory")
     _check_against_reference(results, reference, tp=tp, dp=dp, pp=pp, placement=placement)
+
+
+def test_pp2xtp2_automatic_plan_keeps_blocks_whole(tmp_path):
+    """A wide vocabulary (256) and width 32: the automatic plan used to cut block h.0 between its column-parallel
+    ``c_fc`` and row-parallel ``c_proj`` (stage 0 swapped the block whole, stage 1 got ``c_proj`` alone) and the
+    step failed with a shape error; the block is now one piece of the plan."""
+    os.makedirs(tmp_path / "ref")
+    os.makedirs(tmp_path / "smp")
+    reference = _fit(str(tmp_path / "ref"), n_head=8, vocab_size=256)[0]
+    strategy = lightning_mp.SMPStrategy(
+        pipeline_parallel_degree=2, tensor_parallel_degree=2, microbatches=2, start_method="fork"
+    )
+    results = _fit(str(tmp_path / "smp"), strategy, devices=4, n_head=8, vocab_size=256)
+    assert "DistributedTransformerLayer" in results[0]["modules"] and "Block" not in results[0]["modules"]
+    _check_against_reference(results, reference, tp=2, dp=1, pp=2)
 
 
 def test_unswappable_block_still_trains_unswapped(tmp_path):
@@ -163,7 +182,7 @@ def _check_against_reference(
                 value, reference["state"][key], rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}"
             )
     torch.manual_seed(0)
-    initial = TinyTPGPT(results[0]["n_head"]).state_dict()
+    initial = TinyTPGPT(results[0]["n_head"], results[0]["vocab_size"]).state_dict()
     assert all(not torch.equal(reference["state"][k], initial[k]) for k in ("wte.weight", "h.0.mlp.c_fc.weight"))
 
 
