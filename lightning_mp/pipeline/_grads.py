@@ -8,7 +8,11 @@ gets a gradient hook: a microbatch's contribution is accumulated at once when ev
 contributed to that parameter, and otherwise kept aside (autograd accumulates zeros instead) and added as soon as
 the earlier ones have come, or at the end of the step. In the common case (backwards in order) nothing is kept;
 a contribution kept aside costs one gradient-sized buffer until its turn. The result is the in-order sum, so
-same-seed runs are bitwise equal and so are pipeline degrees. Under ``"zero_bubble"`` the hooks fire on the
+same-seed runs are bitwise equal and so are pipeline degrees. A microbatch may reach a parameter in several
+backwards (a remote module called twice in one microbatch: each call's backward is its own request), and when its
+last one comes is not known; so only a microbatch's first contribution takes part in the order, and its later ones
+are summed per microbatch (in their arrival order, which one microbatch's dependencies fix) and added at the end
+of the step in microbatch order, one gradient-sized buffer per such microbatch until then. Under ``"zero_bubble"`` the hooks fire on the
 weight pass, where the parameters accumulate ([Note: zero-bubble] in ``_zero_bubble.py``).
 """
 
@@ -29,6 +33,7 @@ class _Order:
     seen: set[int] = field(default_factory=set)
     prefix: int = 0  # every microbatch below this one has contributed
     kept: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    later: dict[int, torch.Tensor] = field(default_factory=dict)  # microbatch -> its 2nd, 3rd, ... contributions
 
 
 class OrderedGradients:
@@ -72,7 +77,7 @@ class OrderedGradients:
         with self._lock:
             order = self._orders.get(param)
             if order is not None:
-                return order.prefix
+                return min(order.prefix, *order.later) if order.later else order.prefix
         microbatch = self._current()
         return 0 if microbatch is None else microbatch + 1
 
@@ -82,12 +87,13 @@ class OrderedGradients:
                 self._orders[param] = _Order()
 
     def end_step(self) -> None:
-        """Add what is still kept aside, in microbatch order (some earlier microbatch never reached the parameter)."""
+        """Add what is still kept aside, in microbatch order (some earlier microbatch never reached the parameter),
+        then the later contributions, in microbatch order."""
         with self._lock:
             for param, order in self._orders.items():
-                for microbatch in sorted(order.kept):
-                    for grad in order.kept[microbatch]:
-                        param.grad = grad if param.grad is None else param.grad.add_(grad)
+                kept = [grad for microbatch in sorted(order.kept) for grad in order.kept[microbatch]]
+                for grad in kept + [order.later[microbatch] for microbatch in sorted(order.later)]:
+                    param.grad = grad if param.grad is None else param.grad.add_(grad)
                 self._orders[param] = _Order()
 
     def _incoming(self, param: nn.Parameter) -> Callable[[torch.Tensor], torch.Tensor | None]:
@@ -97,8 +103,12 @@ class OrderedGradients:
                 return None
             with self._lock:
                 order = self._orders[param]
+                if microbatch in order.seen:  # a later backward of the microbatch: summed apart, added at the end
+                    later = order.later.get(microbatch)
+                    order.later[microbatch] = grad if later is None else later + grad
+                    return torch.zeros_like(grad)
                 order.seen.add(microbatch)
-                if microbatch <= order.prefix:
+                if microbatch == order.prefix:
                     return None  # in order: autograd accumulates it now
                 order.kept.setdefault(microbatch, []).append(grad)
             return torch.zeros_like(grad)

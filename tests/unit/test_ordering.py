@@ -142,6 +142,43 @@ def test_gradients_are_summed_in_microbatch_order_whatever_order_backward_ran():
         assert torch.equal(accumulate(order), expected), order
 
 
+def test_several_backwards_of_one_microbatch_sum_alike_whatever_the_interleaving():
+    """A remote module called twice in a microbatch reaches its parameters in two backwards (call 2's, then call
+    1's); other microbatches' backwards may come in between. Every interleaving that keeps each microbatch's own order
+    gives the same bits: the first contributions in microbatch order, then the others, microbatch by microbatch."""
+    torch.manual_seed(0)
+    grads = {(mb, k): torch.randn(64) * 10 ** (mb + 2 * k) for mb in range(3) for k in range(2)}
+
+    def accumulate(order: list[tuple[int, int]]) -> tuple[torch.Tensor, list[int]]:
+        param = nn.Parameter(torch.zeros(64))
+        current = threading.local()
+        ordered = OrderedGradients(lambda: getattr(current, "mb", None))
+        ordered.register([param])
+        summed = []
+        ordered.report([param], lambda p, n: summed.append(n))
+        ordered.start_step()
+        for mb, k in order:
+            current.mb = mb
+            (param * grads[(mb, k)]).sum().backward()
+        ordered.end_step()
+        return param.grad, summed
+
+    expected = torch.zeros(64)
+    for key in [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]:
+        expected = expected + grads[key]
+    chained, summed = accumulate([(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)])
+    assert torch.equal(chained, expected)
+    # what the dp reducer is told: once microbatch 0's second backward is kept aside, no microbatch counts as whole in
+    # .grad (the step's end adds it, then the reducer's flush sends the parameter)
+    assert summed == [1, 0, 0, 0, 0, 0]
+    for order in (
+        [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)],
+        [(1, 0), (2, 0), (0, 0), (1, 1), (2, 1), (0, 1)],
+        [(0, 0), (1, 0), (0, 1), (2, 0), (2, 1), (1, 1)],
+    ):
+        assert torch.equal(accumulate(order)[0], expected), order
+
+
 def test_buffer_updates_are_replayed_in_microbatch_order():
     torch.manual_seed(0)
     inputs = [torch.randn(6, 3) * (k + 1) + k for k in range(3)]
