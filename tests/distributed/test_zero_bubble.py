@@ -76,8 +76,8 @@ def _assert_bitwise(a: dict, b: dict) -> None:
     [
         ("mlp", "mlp", True, False, True),  # a Sequential split over 2 stages
         # control flow, a remote module called twice, a dict crossing stages; stage 1's block calling its child back
-        # on stage 0, with waited calls. Not bitwise: "interleaved" itself differs between two same-seed runs here
-        # (block.0's gradients, last bits: the two calls of a microbatch accumulate in separate backwards)
+        # on stage 0, with waited calls; the two calls of a microbatch reach block.0 in separate backwards (see
+        # [Note: ordered gradient accumulation])
         ("branchy", "branchy", True, False, True),
         ("branchy", "nested", False, False, True),
         ("tiedlm", "tiedlm", True, False, True),  # a ModuleList loop, the tied embedding and head on stage 0
