@@ -326,7 +326,7 @@ class SMPStrategy(ParallelStrategy):
             )
             stage = install_stage(  # keep this rank's stage
                 self.lightning_module, plan, self._engine, self._process_groups, self.topology, self.config,
-                self.root_device, self._param_names,
+                self.root_device, self._param_names, self.precision_plugin.precision,
             )
             self._plan, self._tied, self._sharded = stage.plan, stage.tied, stage.sharded
         if self.config.load_weights is not None:
