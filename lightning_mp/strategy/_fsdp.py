@@ -140,7 +140,7 @@ def check_fsdp_api() -> None:
         state = FSDPState()
         wanted = {
             FSDPState: ("_lazy_init", "_root_post_backward_final_callback"),
-            FSDPParamGroup: ("lazy_init", "unshard", "wait_for_unshard", "reshard", "post_backward"),
+            FSDPParamGroup: ("lazy_init", "unshard", "wait_for_unshard", "reshard", "post_backward", "is_unsharded"),
             FSDPModule: ("set_is_last_backward", "set_reshard_after_backward", "set_requires_gradient_sync",
                          "set_reduce_scatter_unused_params"),
             DeviceMesh: ("_unflatten",),
@@ -168,6 +168,7 @@ class ShardedStage:
         assert isinstance(root, FSDPModule)
         self.root = root
         self._attributes = attributes
+        self._reshard_after_evaluation = False
         self._state = fully_shard.state(root)
         self._state._lazy_init()  # the root and the units' shared state, as the root's first forward would
         for state in self._state._state_ctx.all_states:  # the engine, not FSDP's hooks, decides (see the Note)
@@ -184,6 +185,24 @@ class ShardedStage:
                 group.unshard()
                 group.wait_for_unshard()
         self._copy_attributes()
+
+    @property
+    def gathered(self) -> bool:
+        """Whether the modules hold the gathered parameters (between :meth:`gather` and the next reshard)."""
+        return any(group.is_unsharded for state in self._state._state_ctx.all_states for group in state._fsdp_param_groups)
+
+    def start_evaluation(self) -> None:
+        """At an evaluation loop's start (validate, test, predict): gather once for all its batches, so that no
+        batch runs a collective and replicas with different numbers of batches cannot hang. Every rank of the shard
+        mesh must run the loop (Lightning skips a loop without batches: give every replica at least one)."""
+        self._reshard_after_evaluation = not self.gathered  # mid accumulation window, training keeps them gathered
+        self.gather()
+
+    def end_evaluation(self) -> None:
+        """At the loop's end: shard again what :meth:`start_evaluation` gathered (no communication)."""
+        if self._reshard_after_evaluation:
+            self.reshard()
+        self._reshard_after_evaluation = False
 
     def reshard(self) -> None:
         """Free the gathered parameters: the modules hold the DTensor shards again (what ``configure_optimizers``
