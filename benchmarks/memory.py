@@ -258,8 +258,11 @@ def saved_activation_bytes(args: argparse.Namespace, checkpointing: bool) -> int
 
 
 class RssCap(L.Callback):
-    """A per-rank memory cap, enforced by measurement: from ``setup`` on, a thread samples ``VmRSS`` every 5 ms
-    and ends the rank (exit code 3) once it exceeds the resident memory at ``setup`` plus ``budget`` bytes.
+    """A per-rank memory cap, enforced by measurement: from ``setup`` to ``on_train_end`` (setup and training), a
+    thread samples ``VmRSS`` every 5 ms and ends the rank (exit code 3) once it exceeds the resident memory at
+    ``setup`` plus ``budget`` bytes. After training the fork launcher hands rank 0's whole weights back to the
+    launching process (under sharded data parallelism each stage's rank gathers its stage whole for that): not
+    training, so not capped.
 
     ``RLIMIT_AS`` cannot serve here: it caps virtual memory, and every engine and gloo thread reserves stacks and
     malloc arenas far beyond what it touches, so a limit near the real need fails at thread creation first.
@@ -281,7 +284,7 @@ class RssCap(L.Callback):
         cap = _status("VmRSS") + self.budget
 
         def watch() -> None:
-            while True:
+            while self.phase != "after training":
                 if _status("VmRSS") > cap:
                     print(
                         f"rank {trainer.global_rank}: over the budget of {self.budget / MiB:.0f} MiB (global step"
