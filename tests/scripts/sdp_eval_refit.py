@@ -1,7 +1,7 @@
 """Under sharded data parallelism (sdp2, the popen launcher), one Trainer in the same processes: ``fit``, then
 ``predict`` with a different number of batches per replica, ``validate``, and a second ``fit`` that continues to
 twice the steps. ``python tests/scripts/sdp_eval_refit.py OUT_DIR sdp|one`` (``one``: one process, no strategy, every
-replica's predict batches) writes ``OUT_DIR/{mode}_{rank}.pt``: each loss, the predictions, the validation loss and
+replica's predict batches; also :func:`run` in the calling process) writes ``OUT_DIR/{mode}_{rank}.pt``: each loss, the predictions, the validation loss and
 every parameter (whole) after the second fit."""
 
 import sys
@@ -37,8 +37,8 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
 
 
-if __name__ == "__main__":
-    out_dir, mode = sys.argv[1], sys.argv[2]
+def run(out_dir: str, mode: str) -> None:
+    """``mode`` ``"sdp"`` (2 processes through the popen launcher) or ``"one"`` (this process)."""
     torch.manual_seed(0)
     sdp = mode == "sdp"
     strategy = lightning_mp.SMPStrategy(sharded_data_parallel_degree=2, microbatches=2) if sdp else "auto"
@@ -61,3 +61,7 @@ if __name__ == "__main__":
         },
         f"{out_dir}/{mode}_{trainer.global_rank}.pt",
     )
+
+
+if __name__ == "__main__":
+    run(sys.argv[1], sys.argv[2])

@@ -26,6 +26,7 @@ from lightning_mp.topology import Topology
 from lightning_mp.tp import shard, shard_spec
 from tests._fit import RecordTraining, fit_and_collect
 from tests.models import TinyLM
+from tests.scripts import sdp_eval_refit
 from tests.trainer import test_same_maths, test_tp_trainer
 from tests.trainer.test_strategy import CLIP, STEPS, Wrapped
 
@@ -271,15 +272,14 @@ def test_predict_uneven_validate_and_a_second_fit_in_the_same_processes(tmp_path
     """sdp2 with the popen launcher (``tests/scripts/sdp_eval_refit.py``): ``fit``, ``predict`` with 3 batches on one
     replica and 2 on the other (one all-gather per loop, none per batch: no hang), ``validate``, then a second ``fit``
     to twice the steps (after the first one's teardown moved the module), against one process running the same."""
-    results = {}
-    for mode in ("one", "sdp"):
-        done = subprocess.run(
-            [sys.executable, "tests/scripts/sdp_eval_refit.py", str(tmp_path), mode], cwd=ROOT, capture_output=True,
-            text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-        results[mode] = [torch.load(path, weights_only=False) for path in sorted(tmp_path.glob(f"{mode}_*.pt"))]
-    (reference,), ranks = results["one"], results["sdp"]
+    sdp_eval_refit.run(str(tmp_path), "one")  # the reference, in this process
+    done = subprocess.run(
+        [sys.executable, "tests/scripts/sdp_eval_refit.py", str(tmp_path), "sdp"], cwd=ROOT, capture_output=True,
+        text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    reference = torch.load(tmp_path / "one_0.pt", weights_only=False)
+    ranks = [torch.load(tmp_path / f"sdp_{rank}.pt", weights_only=False) for rank in range(2)]
     assert len(ranks) == 2 and len(reference["losses"]) == 2 * STEPS
     torch.testing.assert_close(_mean_losses(ranks, 1), reference["losses"], **TOL)
     assert [len(rank["predictions"]) for rank in ranks] == [3, 2]
