@@ -27,6 +27,8 @@ on (reduce-scatter, for HSDP then all-reduce across replicas, averaged over ``dp
 parameters. So a step costs one all-gather and one reduce-scatter per unit whatever the number of microbatches
 (torchtitan's ``reshard_after_forward=False`` for pipeline stages), at the price of the stage's whole parameters
 and gradients during the step (the sharded layout's saving holds between steps: optimizer state, master weights).
+An evaluation loop gathers once at its start and reshards at its end (:meth:`ShardedStage.start_evaluation`), not
+per batch: no evaluation batch runs a collective, so replicas with different numbers of batches cannot hang.
 
 *Mixed precision.* Under Lightning's ``"bf16-mixed"`` / ``"16-mixed"`` plugins every unit gets FSDP's
 ``MixedPrecisionPolicy(param_dtype=bf16 / fp16, reduce_dtype=fp32)`` (:func:`mixed_precision_policy`; torchtitan's
@@ -189,7 +191,8 @@ class ShardedStage:
     @property
     def gathered(self) -> bool:
         """Whether the modules hold the gathered parameters (between :meth:`gather` and the next reshard)."""
-        return any(group.is_unsharded for state in self._state._state_ctx.all_states for group in state._fsdp_param_groups)
+        states = self._state._state_ctx.all_states
+        return any(group.is_unsharded for state in states for group in state._fsdp_param_groups)
 
     def start_evaluation(self) -> None:
         """At an evaluation loop's start (validate, test, predict): gather once for all its batches, so that no

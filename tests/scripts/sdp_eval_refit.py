@@ -1,8 +1,8 @@
 """Under sharded data parallelism (sdp2, the popen launcher), one Trainer in the same processes: ``fit``, then
 ``predict`` with a different number of batches per replica, ``validate``, and a second ``fit`` that continues to
-twice the steps. ``python tests/scripts/sdp_eval_refit.py OUT_DIR sdp|one`` (``one``: one process, no strategy, every
-replica's predict batches; also :func:`run` in the calling process) writes ``OUT_DIR/{mode}_{rank}.pt``: each loss, the predictions, the validation loss and
-every parameter (whole) after the second fit."""
+twice the steps. ``python tests/scripts/sdp_eval_refit.py OUT_DIR sdp|one`` (``one``: one process, no strategy,
+every replica's predict batches; also :func:`run` in the calling process) writes ``OUT_DIR/{mode}_{rank}.pt``: each
+loss, the predictions, the validation loss and every parameter (whole) after the second fit."""
 
 import sys
 

@@ -241,7 +241,9 @@ class RecordPrecision(RecordShards):
 BF16_TOL = {"rtol": 2**-8, "atol": 1e-4}
 
 
-@pytest.mark.parametrize(("pp", "trainer_kwargs"), [(1, {"accumulate_grad_batches": 2}), (2, {})], ids=["sdp2", "pp2xsdp2"])
+@pytest.mark.parametrize(
+    ("pp", "trainer_kwargs"), [(1, {"accumulate_grad_batches": 2}), (2, {})], ids=["sdp2", "pp2xsdp2"]
+)
 def test_bf16_mixed_gathers_in_bf16_and_reduces_in_fp32(tmp_path, pp, trainer_kwargs):
     """Under ``precision="bf16-mixed"`` FSDP's ``MixedPrecisionPolicy(bf16, fp32)`` takes effect on the engine's path:
     the shards' all-gather moves bf16, the modules compute with bf16 parameters and accumulate bf16 gradients, the
