@@ -43,6 +43,7 @@ def _run(config: str, args: argparse.Namespace, workdir: str) -> None:
 
     import lightning_mp
     from examples.gpt_tp import TPGPT
+    from benchmarks._fsdp_peer import fully_shard_like_torchtitan
 
     torch.set_num_threads(1)  # before forking
     T = 64
@@ -52,13 +53,7 @@ def _run(config: str, args: argparse.Namespace, workdir: str) -> None:
             super().__init__(vocab_size=args.vocab, block_size=T, n_layer=args.n_layer, n_head=12, n_embd=args.n_embd)
 
         def configure_model(self) -> None:
-            if isinstance(self.trainer.strategy, L.pytorch.strategies.ModelParallelStrategy):
-                from torch.distributed.fsdp import fully_shard
-
-                mesh = self.device_mesh["data_parallel"]
-                for block in self.h:
-                    fully_shard(block, mesh=mesh)
-                fully_shard(self, mesh=mesh)
+            fully_shard_like_torchtitan(self, self.h)
 
         def train_dataloader(self):
             data = torch.randint(0, args.vocab, (8, T + 1), generator=torch.Generator().manual_seed(0))

@@ -229,7 +229,7 @@ def run_setting(setting: Setting, args: argparse.Namespace, extra_callbacks=(), 
         trainer = L.Trainer(
             accelerator="cpu", devices=setting.pp * setting.dp, strategy=strategy, max_steps=args.steps, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
-            use_distributed_sampler=False,
+            use_distributed_sampler=False, precision=args.precision,
         )
         trainer.fit(BenchGPT(args.n_layer, args.n_embd, args.block_size, args.batch * setting.dp, args.steps, optimizer))
         return [json.loads(Path(out, f"{r}.json").read_text()) for r in range(setting.pp * setting.dp)]
@@ -258,8 +258,11 @@ def saved_activation_bytes(args: argparse.Namespace, checkpointing: bool) -> int
 
 
 class RssCap(L.Callback):
-    """A per-rank memory cap, enforced by measurement: from ``setup`` on, a thread samples ``VmRSS`` every 5 ms
-    and ends the rank (exit code 3) once it exceeds the resident memory at ``setup`` plus ``budget`` bytes.
+    """A per-rank memory cap, enforced by measurement: from ``setup`` to ``on_train_end`` (setup and training), a
+    thread samples ``VmRSS`` every 5 ms and ends the rank (exit code 3) once it exceeds the resident memory at
+    ``setup`` plus ``budget`` bytes. After training the fork launcher hands rank 0's whole weights back to the
+    launching process (under sharded data parallelism each stage's rank gathers its stage whole for that): not
+    training, so not capped.
 
     ``RLIMIT_AS`` cannot serve here: it caps virtual memory, and every engine and gloo thread reserves stacks and
     malloc arenas far beyond what it touches, so a limit near the real need fails at thread creation first.
@@ -281,7 +284,7 @@ class RssCap(L.Callback):
         cap = _status("VmRSS") + self.budget
 
         def watch() -> None:
-            while True:
+            while self.phase != "after training":
                 if _status("VmRSS") > cap:
                     print(
                         f"rank {trainer.global_rank}: over the budget of {self.budget / MiB:.0f} MiB (global step"
@@ -324,7 +327,7 @@ def budget_pp2_demo(args: argparse.Namespace) -> list[str]:
         model = GPT(256, args.block_size, args.budget_n_layer, 8, args.budget_n_embd)
         total = sum(p.numel() * 4 for p in model.parameters())
     lines = [f"| (model: n_layer={args.budget_n_layer}, n_embd={args.budget_n_embd}, {_mib(total)} MiB of parameters,"
-             f" {_mib(total / 2)} MiB per stage; AdamW) | | |"]
+             f" {_mib(total / 2)} MiB per stage; AdamW, {args.precision}) | | |"]
     for index in BUDGET_PP2:
         rows = _run_worker(index, [*demo, "--cap-mb", str(args.budget_pp2_mb)], args)
         result = "FAILED (a rank passed the cap)" if rows is None else "trained; per-rank peak " + ", ".join(
@@ -336,7 +339,8 @@ def budget_pp2_demo(args: argparse.Namespace) -> list[str]:
 
 def _run_worker(index: int, extra: list[str], args: argparse.Namespace) -> list[dict] | None:
     """Run one setting in a fresh interpreter (forked ranks then inherit no heap of earlier runs)."""
-    base = ["--block-size", str(args.block_size), "--batch", str(args.batch), "--microbatches", str(args.microbatches)]
+    base = ["--block-size", str(args.block_size), "--batch", str(args.batch), "--microbatches", str(args.microbatches),
+            "--precision", args.precision]
     if "--n-layer" not in extra:
         base += ["--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd)]
     extra = [*extra, "--host-memory", args.host_memory, "--steps", str(args.steps)]
@@ -395,6 +399,9 @@ def main() -> None:
         " malloc_trim from a callback",
     )
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument(
+        "--precision", default="32-true", help="Lightning's precision (bf16-mixed: sdp gathers in bf16, see the README)"
+    )
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--cap-mb", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--optimizer", default="adamw", help=argparse.SUPPRESS)
@@ -409,7 +416,8 @@ def main() -> None:
     with torch.device("meta"):
         total = sum(p.numel() * 4 for p in GPT(256, args.block_size, args.n_layer, 8, args.n_embd).parameters())
     print(f"example GPT n_layer={args.n_layer} n_embd={args.n_embd}: {_mib(total)} MiB of fp32 parameters; AdamW;"
-          f" batch {args.batch} x {args.block_size} tokens per replica, {args.microbatches} microbatches\n")
+          f" batch {args.batch} x {args.block_size} tokens per replica, {args.microbatches} microbatches,"
+          f" {args.precision}\n")
     print("| setting | pp | dp | rank | setup peak | own params | setup peak / own params | step-2 peak |"
           " params + grads + optimizer | (params + optimizer) / ideal |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -10,8 +10,9 @@ Every configuration trains the example GPT (``examples.gpt.GPT``, AdamW, global 
 tokens) with ``Trainer.fit`` on CPU processes (gloo; one intra-op thread per rank), each in a fresh interpreter;
 rounds alternate the configurations so a shared machine loads all alike. Per configuration:
 
-- step time: rank 0's wall time per step after ``--warmup`` steps, median over rounds, and its ratio to the peer
-  (``ModelParallelStrategy`` at the same dp; for pp=2, ZeRO-1 at the same microbatches);
+- step time: rank 0's wall time per step after ``--warmup`` steps, median over rounds; and its ratio to the peer
+  (``ModelParallelStrategy`` at the same dp; for pp=2, ZeRO-1 at the same microbatches) in each round, the two
+  having run one after the other: the median of those ratios and their range;
 - per-rank parameter + gradient + optimizer bytes after the first step (between steps: the local shards of
   ``DTensor`` parameters, their gradients and Adam moments; under ZeRO-1 the rank's own optimizer share), the
   largest over ranks, and its ratio to the unsharded layout's (the goal at pp=1: <= 1.05 / dp);
@@ -116,6 +117,7 @@ def _run(name: str, layout: dict, args: argparse.Namespace, out_dir: str) -> Non
 
     import lightning_mp
     from examples.gpt import GPT
+    from benchmarks._fsdp_peer import fully_shard_like_torchtitan
 
     torch.set_num_threads(1)  # before forking
     counts = {"on": [False], **{kind: [0, 0.0] for kind in COLLECTIVES}}
@@ -126,13 +128,7 @@ def _run(name: str, layout: dict, args: argparse.Namespace, out_dir: str) -> Non
             super().__init__(vocab_size=args.vocab, block_size=T, n_layer=args.n_layer, n_head=8, n_embd=args.n_embd)
 
         def configure_model(self) -> None:
-            if isinstance(self.trainer.strategy, L.pytorch.strategies.ModelParallelStrategy):
-                from torch.distributed.fsdp import fully_shard
-
-                mesh = self.device_mesh["data_parallel"]
-                for block in self.h:
-                    fully_shard(block, mesh=mesh)
-                fully_shard(self, mesh=mesh)
+            fully_shard_like_torchtitan(self, self.h)
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
@@ -211,8 +207,17 @@ def _table(configs: dict, results: dict[str, list[list[dict]]], args: argparse.N
         dp = configs[name]["world"]
         return f"model-parallel-dp{dp}", f"smp-dp{dp}-unsharded"
 
+    def round_ratios(name: str, other: str) -> str:
+        """Each round's step time over the peer's in the same round (they ran one after the other)."""
+        pairs = [(a, b) for a, b in zip(results[name], results.get(other, [])) if a and b]
+        ratios = sorted(a[0]["step_s"] / b[0]["step_s"] for a, b in pairs)
+        if not ratios:
+            return "-"
+        return f"{statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+
     print(f"\nexample GPT n_layer={args.n_layer} n_embd={args.n_embd} vocab={args.vocab} T={T}, global batch"
-          f" {args.batch}, AdamW; medians over {args.rounds} alternating rounds of {args.steps} steps")
+          f" {args.batch}, AdamW; medians over {args.rounds} alternating rounds of {args.steps} steps; step / peer:"
+          " the peer is ModelParallelStrategy at the same dp (pp=1) or ZeRO-1 (pp=2), per round: median (range)")
     print("| configuration | ranks | step (ms) | step / peer | param+grad+optim MiB per rank (max) | / unsharded"
           " | all-gathers/step | reduce-scatters/step | all-reduces/step | broadcasts/step"
           " | MiB gathered+scattered/step |")
@@ -226,8 +231,9 @@ def _table(configs: dict, results: dict[str, list[list[dict]]], args: argparse.N
         calls = {kind: statistics.median(c[kind][0] for c in counts) for kind in COLLECTIVES}
         moved = statistics.median(c["all_gather"][1] + c["reduce_scatter"][1] for c in counts)
         print(
-            f"| {name} | {layout['world']} | {1e3 * step[name]:.0f} | {step[name] / step[time_peer]:.2f} |"
-            f" {mem[name] / 2**20:.1f} | {mem[name] / mem[mem_peer]:.3f} | {calls['all_gather']:g} |"
+            f"| {name} | {layout['world']} | {1e3 * step[name]:.0f} | {round_ratios(name, time_peer)} |"
+            f" {mem[name] / 2**20:.1f} | {mem[name] / mem[mem_peer] if mem_peer in mem else float('nan'):.3f} |"
+            f" {calls['all_gather']:g} |"
             f" {calls['reduce_scatter']:g} | {calls['all_reduce']:g} | {calls['broadcast']:g} | {moved:.1f} |"
         )
 

@@ -27,6 +27,17 @@ on (reduce-scatter, for HSDP then all-reduce across replicas, averaged over ``dp
 parameters. So a step costs one all-gather and one reduce-scatter per unit whatever the number of microbatches
 (torchtitan's ``reshard_after_forward=False`` for pipeline stages), at the price of the stage's whole parameters
 and gradients during the step (the sharded layout's saving holds between steps: optimizer state, master weights).
+An evaluation loop gathers once at its start and reshards at its end (:meth:`ShardedStage.start_evaluation`), not
+per batch: no evaluation batch runs a collective, so replicas with different numbers of batches cannot hang.
+
+*Mixed precision.* Under Lightning's ``"bf16-mixed"`` / ``"16-mixed"`` plugins every unit gets FSDP's
+``MixedPrecisionPolicy(param_dtype=bf16 / fp16, reduce_dtype=fp32)`` (:func:`mixed_precision_policy`; torchtitan's
+``mixed_precision_param`` / ``mixed_precision_reduce``): ``gather`` casts the fp32 shards and all-gathers them in the
+low dtype, so the modules compute (under the plugin's autocast, as without sharding) with low-precision parameters
+and the engine accumulates low-precision gradients; ``reduce_scatter`` (FSDP's ``post_backward``) casts them to fp32
+before the reduce-scatter and leaves fp32 gradients on the fp32 shards, the optimizer's master weights. The policy is
+FSDP's own, applied in the param groups' ``unshard`` / ``post_backward`` we call, so it needs no hook we removed
+(only its forward-input cast, ``cast_forward_inputs``, lives in the removed root hook; autocast casts inputs here).
 """
 
 from __future__ import annotations
@@ -38,10 +49,27 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-__all__ = ["ShardedStage", "check_fsdp_api", "local_tensor", "shard_stage", "wrapping_units"]
+__all__ = [
+    "ShardedStage", "check_fsdp_api", "local_tensor", "mixed_precision_policy", "shard_stage", "wrapping_units",
+]
+
+_LOW_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+"""Lightning's mixed precision plugins' ``precision`` -> the dtype their autocast computes in."""
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    """FSDP2's policy matching Lightning's precision plugin ``precision`` (see [Note: sharded stages]).
+
+    ``"bf16-mixed"`` / ``"16-mixed"``: parameters all-gathered in bf16 / fp16 and gradients reduce-scattered in fp32
+    (torchtitan's ``mixed_precision_param=bf16``, ``mixed_precision_reduce=fp32``); the fp32 shards stay the
+    optimizer's master weights. Any other precision (``"32-true"``, ``"bf16-true"``, whose module is converted
+    already): no casts, FSDP's default.
+    """
+    low = _LOW_DTYPES.get(precision)
+    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low is not None else None)
 
 
 def wrapping_units(module: nn.Module, stage_of: Mapping[str, int], stage: int) -> list[str]:
@@ -66,7 +94,9 @@ def wrapping_units(module: nn.Module, stage_of: Mapping[str, int], stage: int) -
     return units
 
 
-def shard_stage(module: nn.Module, mesh: DeviceMesh, stage_of: Mapping[str, int], stage: int) -> ShardedStage:
+def shard_stage(
+    module: nn.Module, mesh: DeviceMesh, stage_of: Mapping[str, int], stage: int, precision: str = "32-true"
+) -> ShardedStage:
     """Wrap this rank's stage of ``module`` with ``fully_shard`` over ``mesh``, units first, root last; gather it.
 
     Call once the stage's parameters are final (after the tensor-parallel swap, materialisation and the tied-weight
@@ -78,14 +108,16 @@ def shard_stage(module: nn.Module, mesh: DeviceMesh, stage_of: Mapping[str, int]
         mesh: FSDP2's mesh (``ProcessGroups.shard_mesh``): 1-D, or 2-D ``(dp_replicate, dp_shard)`` for HSDP.
         stage_of: module FQN -> stage (the plan's, after the tensor-parallel swap).
         stage: this rank's stage.
+        precision: Lightning's precision plugin's ``precision``; its :func:`mixed_precision_policy` is every unit's.
 
     Returns:
         The sharded stage, gathered (its modules hold the whole parameters, ready for the engine's step).
     """
     attributes = {fqn: dict(vars(p)) for fqn, p in module.named_parameters() if vars(p)}
     units = [module.get_submodule(fqn) for fqn in wrapping_units(module, stage_of, stage)]
+    policy = mixed_precision_policy(precision)
     for unit in [*units, module]:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=False)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
     module.set_reduce_scatter_unused_params(True)  # a gradient missing on one rank is zeros there, as under DDP
     sharded = ShardedStage(module, attributes)
     sharded.gather()
@@ -110,7 +142,7 @@ def check_fsdp_api() -> None:
         state = FSDPState()
         wanted = {
             FSDPState: ("_lazy_init", "_root_post_backward_final_callback"),
-            FSDPParamGroup: ("lazy_init", "unshard", "wait_for_unshard", "reshard", "post_backward"),
+            FSDPParamGroup: ("lazy_init", "unshard", "wait_for_unshard", "reshard", "post_backward", "is_unsharded"),
             FSDPModule: ("set_is_last_backward", "set_reshard_after_backward", "set_requires_gradient_sync",
                          "set_reduce_scatter_unused_params"),
             DeviceMesh: ("_unflatten",),
@@ -138,6 +170,7 @@ class ShardedStage:
         assert isinstance(root, FSDPModule)
         self.root = root
         self._attributes = attributes
+        self._reshard_after_evaluation = False
         self._state = fully_shard.state(root)
         self._state._lazy_init()  # the root and the units' shared state, as the root's first forward would
         for state in self._state._state_ctx.all_states:  # the engine, not FSDP's hooks, decides (see the Note)
@@ -154,6 +187,25 @@ class ShardedStage:
                 group.unshard()
                 group.wait_for_unshard()
         self._copy_attributes()
+
+    @property
+    def gathered(self) -> bool:
+        """Whether the modules hold the gathered parameters (between :meth:`gather` and the next reshard)."""
+        states = self._state._state_ctx.all_states
+        return any(group.is_unsharded for state in states for group in state._fsdp_param_groups)
+
+    def start_evaluation(self) -> None:
+        """At an evaluation loop's start (validate, test, predict): gather once for all its batches, so that no
+        batch runs a collective and replicas with different numbers of batches cannot hang. Every rank of the shard
+        mesh must run the loop (Lightning skips a loop without batches: give every replica at least one)."""
+        self._reshard_after_evaluation = not self.gathered  # mid accumulation window, training keeps them gathered
+        self.gather()
+
+    def end_evaluation(self) -> None:
+        """At the loop's end: shard again what :meth:`start_evaluation` gathered (no communication)."""
+        if self._reshard_after_evaluation:
+            self.reshard()
+        self._reshard_after_evaluation = False
 
     def reshard(self) -> None:
         """Free the gathered parameters: the modules hold the DTensor shards again (what ``configure_optimizers``

@@ -201,10 +201,11 @@ def install_stage(
     config: SMPConfig,
     device: torch.device,
     names: dict[str, str],
+    precision: str = "32-true",
 ) -> InstalledStage:
     """Keep this rank's stage of ``module`` (its tp shards under tensor parallelism) and hand it to ``engine``;
     under sharded data parallelism, shard it over ``groups.shard_mesh`` last (see [Note: sharded stages] in
-    ``_fsdp.py``).
+    ``_fsdp.py``), in the low dtype of ``precision`` (Lightning's precision plugin's) when it is a mixed one.
 
     Raises:
         ValueError: the plan splits a tie that ``tied_weights`` or tensor parallelism cannot replicate.
@@ -231,7 +232,7 @@ def install_stage(
     tied.broadcast_copies()  # see [Note: replicated tied weights] in _tied.py
     sharded = None
     if groups.shard_mesh is not None:  # the engine's gradient hooks go on the gathered parameters, see _fsdp.py
-        sharded = shard_stage(module, groups.shard_mesh, stage_of, topology.pp_rank)
+        sharded = shard_stage(module, groups.shard_mesh, stage_of, topology.pp_rank, precision)
     engine.order_gradients(module)
     if sharded is not None:
         sharded.reshard()  # configure_optimizers sees the shards

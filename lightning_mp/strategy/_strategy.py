@@ -326,7 +326,7 @@ class SMPStrategy(ParallelStrategy):
             )
             stage = install_stage(  # keep this rank's stage
                 self.lightning_module, plan, self._engine, self._process_groups, self.topology, self.config,
-                self.root_device, self._param_names,
+                self.root_device, self._param_names, self.precision_plugin.precision,
             )
             self._plan, self._tied, self._sharded = stage.plan, stage.tied, stage.sharded
         if self.config.load_weights is not None:
@@ -378,34 +378,31 @@ class SMPStrategy(ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._gathered():
-            summary = self._runner.run("validation_step", self.precision_plugin.val_step_context, args, kwargs)
+        summary = self._runner.run("validation_step", self.precision_plugin.val_step_context, args, kwargs)
         return move_data_to_device(summary.output, self.root_device)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._gathered():
-            summary = self._runner.run("test_step", self.precision_plugin.test_step_context, args, kwargs)
+        summary = self._runner.run("test_step", self.precision_plugin.test_step_context, args, kwargs)
         return move_data_to_device(summary.output, self.root_device)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._gathered():
-            summary = self._runner.run("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+        summary = self._runner.run("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
         return move_data_to_device(summary.output, self.root_device)
 
-    @contextmanager
-    def _gathered(self) -> Generator[None, None, None]:
-        """Under sharded data parallelism, an evaluation step on the gathered parameters, sharded again after it
-        (one all-gather per step, as FSDP's hooks would; see ``_fsdp.py``)."""
-        if self._sharded is None:
-            yield
-            return
-        self._sharded.gather()
-        try:
-            yield
-        finally:
-            self._sharded.reshard()
+    @override
+    def on_validation_start(self) -> None:  # under sharded data parallelism: one all-gather per loop (_fsdp.py)
+        if self._sharded is not None:
+            self._sharded.start_evaluation()
+
+    @override
+    def on_validation_end(self) -> None:
+        if self._sharded is not None:
+            self._sharded.end_evaluation()
+
+    on_test_start = on_predict_start = on_validation_start
+    on_test_end = on_predict_end = on_validation_end
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:

@@ -10,6 +10,11 @@ whole batch: replicas average their own token-normalised gradients, as under ``d
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,9 +26,11 @@ from lightning_mp.topology import Topology
 from lightning_mp.tp import shard, shard_spec
 from tests._fit import RecordTraining, fit_and_collect
 from tests.models import TinyLM
+from tests.scripts import sdp_eval_refit
 from tests.trainer import test_same_maths, test_tp_trainer
 from tests.trainer.test_strategy import CLIP, STEPS, Wrapped
 
+ROOT = Path(__file__).resolve().parents[2]
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
@@ -47,11 +54,19 @@ def _sdp(pp: int, sdp: int, microbatches: int = 2, **kwargs) -> lightning_mp.SMP
     )
 
 
+def _replicas(results: list[dict], pp: int) -> list[list[dict]]:
+    """Each replica's ranks, stage by stage (rank = dp_rank * pp + pp_rank)."""
+    return [results[r * pp : (r + 1) * pp] for r in range(len(results) // pp)]
+
+
+def _mean_losses(results: list[dict], pp: int) -> list[float]:
+    """Each step's loss averaged over the replicas (each read its share of the batch): one process's."""
+    return torch.tensor([replica[0]["losses"] for replica in _replicas(results, pp)]).mean(0).tolist()
+
+
 def _assert_matches(results: list[dict], reference: dict, pp: int, sdp: int) -> None:
-    dp = len(results) // pp
-    replicas = [results[r * pp : (r + 1) * pp] for r in range(dp)]  # rank = dp_rank * pp + pp_rank
-    per_replica = torch.tensor([replica[0]["losses"] for replica in replicas])
-    torch.testing.assert_close(per_replica.mean(0).tolist(), reference["losses"], **TOL)
+    replicas = _replicas(results, pp)
+    torch.testing.assert_close(_mean_losses(results, pp), reference["losses"], **TOL)
     for replica in replicas:
         assert {n for stage in replica for n in stage["params"]} == set(reference["params"])
     for rank, result in enumerate(results):  # validation ran on the gathered parameters after the last step
@@ -92,12 +107,12 @@ def test_fit_matches_one_process(tmp_path, pp, dp, sdp, kwargs, trainer_kwargs):
     _assert_matches(results, reference, pp, sdp)
 
 
-def _fit_lm(out_dir: str, strategy, devices: int, trainer_kwargs: dict) -> list[dict]:
+def _fit_lm(out_dir: str, strategy, devices: int, trainer_kwargs: dict, record=None) -> list[dict]:
     trainer_kwargs = dict(trainer_kwargs)
     callbacks = trainer_kwargs.pop("callbacks_extra", ())
     return fit_and_collect(
         DelayedLM(), out_dir, devices=devices, strategy=strategy, max_steps=STEPS,
-        record=RecordShards(out_dir, logged=True, metrics=True),
+        record=record or RecordShards(out_dir, logged=True, metrics=True),
         callbacks=callbacks, num_sanity_val_steps=0, use_distributed_sampler=False, **trainer_kwargs,
     )
 
@@ -185,3 +200,96 @@ def test_token_weighted_loss_matches_one_process(tmp_path):
         torch.testing.assert_close(result["losses"], reference["losses"], **TOL)
         torch.testing.assert_close(result["logged"], reference["logged"], **TOL)
         test_same_maths.assert_state_equal(result["state"], reference["state"])
+
+
+class RecordPrecision(RecordShards):
+    """Also the dtypes FSDP's collectives move (their input tensors) and, after each backward, the dtypes of the
+    parameters the modules hold and of their gradients (gathered and local on a batch that does not end an
+    accumulation window; the shards, reduce-scattered, on one that does)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.moved: dict[str, set[str]] = {name: set() for name in self.COLLECTIVES}
+        self.after_backward: list[set[tuple[bool, str, str]]] = []
+
+    def on_train_start(self, trainer, pl_module):
+        super().on_train_start(trainer, pl_module)
+        for name in self.COLLECTIVES:
+            counted = getattr(dist, name)
+
+            def recorded(output, input, *args, _name=name, _counted=counted, **kwargs):
+                self.moved[_name].add(str(input.dtype))
+                return _counted(output, input, *args, **kwargs)
+
+            setattr(dist, name, recorded)
+
+    def on_after_backward(self, trainer, pl_module):
+        self.after_backward.append(
+            {(isinstance(p, DTensor), str(p.dtype), str(p.grad.dtype)) for p in pl_module.parameters()}
+        )
+
+    def extra(self, trainer, pl_module):
+        return {**super().extra(trainer, pl_module), "moved": self.moved, "after_backward": self.after_backward}
+
+
+# bf16 keeps 8 significant bits (relative spacing 2**-8). The reference autocasts each matmul's fp32 weights to bf16
+# (the same bits as FSDP's gathered bf16 parameters) but keeps the embedding's output, the residual stream,
+# LayerNorm's weights and the gradients' accumulation in fp32, where FSDP's policy has them in bf16. Measured: losses
+# (8.4 to 19.8) within 0.0019 relative (half a spacing), parameters (up to 4.1) within 3.1e-5 absolute after 3 SGD
+# steps at lr 0.1; the tolerance is one spacing relative plus 1e-4 (a gradient rounded by 2**-8 moves a weight by
+# about lr * |grad| * 2**-8 per step).
+BF16_TOL = {"rtol": 2**-8, "atol": 1e-4}
+
+
+@pytest.mark.parametrize(
+    ("pp", "trainer_kwargs"), [(1, {"accumulate_grad_batches": 2}), (2, {})], ids=["sdp2", "pp2xsdp2"]
+)
+def test_bf16_mixed_gathers_in_bf16_and_reduces_in_fp32(tmp_path, pp, trainer_kwargs):
+    """Under ``precision="bf16-mixed"`` FSDP's ``MixedPrecisionPolicy(bf16, fp32)`` takes effect on the engine's path:
+    the shards' all-gather moves bf16, the modules compute with bf16 parameters and accumulate bf16 gradients, the
+    reduce-scatter moves fp32 into fp32 gradients of the fp32 shards (the optimizer's master weights). Losses and
+    every parameter against one process under the same plugin (``BF16_TOL``)."""
+    options = {**CLIP, **trainer_kwargs, "precision": "bf16-mixed"}
+    reference = _fit_lm(str(tmp_path / "ref"), None, 1, options)[0]
+    results = _fit_lm(
+        str(tmp_path / "smp"), _sdp(pp, 2), 2 * pp, options, record=RecordPrecision(str(tmp_path / "smp"), logged=True)
+    )
+    torch.testing.assert_close(_mean_losses(results, pp), reference["losses"], **BF16_TOL)
+    for rank, result in enumerate(results):
+        assert result["moved"] == {"all_gather_single": {"torch.bfloat16"}, "reduce_scatter_single": {"torch.float32"}}
+        sharded = {(True, "torch.float32", "torch.float32")}
+        if pp == 1:  # a window's first batch: gathered bf16 parameters and local bf16 gradients; its last: shards
+            gathered = {(False, "torch.bfloat16", "torch.bfloat16")}
+            # windows of 2 batches in an epoch of STEPS = 3: batches (0, 1), (2,) (the epoch's end steps), (3, 4)
+            assert result["after_backward"] == [gathered, sharded, sharded, gathered, sharded], result["after_backward"]
+        else:
+            assert result["after_backward"] == [sharded] * STEPS, result["after_backward"]
+        for name, value in result["params"].items():
+            assert value.dtype == torch.float32, name
+            torch.testing.assert_close(value, reference["params"][name], **BF16_TOL, msg=name)
+            assert result["held"][name] == _shard_numel(value, 2, rank // pp), f"{name}: a shard"
+
+
+def test_predict_uneven_validate_and_a_second_fit_in_the_same_processes(tmp_path):
+    """sdp2 with the popen launcher (``tests/scripts/sdp_eval_refit.py``): ``fit``, ``predict`` with 3 batches on one
+    replica and 2 on the other (one all-gather per loop, none per batch: no hang), ``validate``, then a second ``fit``
+    to twice the steps (after the first one's teardown moved the module), against one process running the same."""
+    sdp_eval_refit.run(str(tmp_path), "one")  # the reference, in this process
+    done = subprocess.run(
+        [sys.executable, "tests/scripts/sdp_eval_refit.py", str(tmp_path), "sdp"], cwd=ROOT, capture_output=True,
+        text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    reference = torch.load(tmp_path / "one_0.pt", weights_only=False)
+    ranks = [torch.load(tmp_path / f"sdp_{rank}.pt", weights_only=False) for rank in range(2)]
+    assert len(ranks) == 2 and len(reference["losses"]) == 2 * STEPS
+    torch.testing.assert_close(_mean_losses(ranks, 1), reference["losses"], **TOL)
+    assert [len(rank["predictions"]) for rank in ranks] == [3, 2]
+    # logits (up to 24) from parameters that agree to 1.2e-7 (the replicas' average rounds): 2.7e-6 measured
+    predictions = ranks[0]["predictions"] + ranks[1]["predictions"]
+    torch.testing.assert_close(predictions, reference["predictions"], rtol=1e-5, atol=1e-5)
+    for rank in ranks:
+        torch.testing.assert_close(rank["val_loss"], reference["val_loss"], **TOL)
+        assert all(rank["sharded"]), "shards after the second fit"
+        for name, value in rank["params"].items():
+            torch.testing.assert_close(value, reference["params"][name], **TOL, msg=name)

@@ -4,10 +4,11 @@ the HSDP groups in the process-group plan, and FSDP2's wrapping units of a stage
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 from lightning_mp import SMPConfig, SMPStrategy
-from lightning_mp.strategy._fsdp import check_fsdp_api, wrapping_units
+from lightning_mp.strategy._fsdp import check_fsdp_api, mixed_precision_policy, wrapping_units
 from lightning_mp.topology import GroupName, Topology, plan_process_groups
 from tests.models import TinyLM
 
@@ -76,3 +77,17 @@ def test_the_fsdp2_internals_sharding_drives_exist_and_their_absence_is_named(mo
     monkeypatch.delattr(FSDPParamGroup, "wait_for_unshard")
     with pytest.raises(ValueError, match=r"lacks: FSDPParamGroup.wait_for_unshard\. .*torch 2.13"):
         check_fsdp_api()
+
+
+@pytest.mark.parametrize(
+    ("precision", "param_dtype", "reduce_dtype"),
+    [
+        ("bf16-mixed", torch.bfloat16, torch.float32),
+        ("16-mixed", torch.float16, torch.float32),  # Lightning turns it into bf16-mixed on CPU: not fit here
+        ("32-true", None, None),
+        ("bf16-true", None, None),  # the module is bf16 already: nothing to cast
+    ],
+)
+def test_the_fsdp_policy_follows_lightnings_precision_plugin(precision, param_dtype, reduce_dtype):
+    policy = mixed_precision_policy(precision)
+    assert (policy.param_dtype, policy.reduce_dtype) == (param_dtype, reduce_dtype)
