@@ -53,7 +53,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 __all__ = [
-    "ShardedStage", "check_fsdp_api", "local_tensor", "mixed_precision_policy", "shard_stage", "wrapping_units",
+    "ShardedStage", "check_fsdp_api", "local_tensor", "mixed_precision_policy", "wrap_stage", "wrapping_units",
 ]
 
 _LOW_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -94,14 +94,15 @@ def wrapping_units(module: nn.Module, stage_of: Mapping[str, int], stage: int) -
     return units
 
 
-def shard_stage(
+def wrap_stage(
     module: nn.Module, mesh: DeviceMesh, stage_of: Mapping[str, int], stage: int, precision: str = "32-true"
-) -> ShardedStage:
-    """Wrap this rank's stage of ``module`` with ``fully_shard`` over ``mesh``, units first, root last; gather it.
+) -> dict[str, dict[str, Any]]:
+    """Wrap this rank's stage of ``module`` with ``fully_shard`` over ``mesh``, units first, root last.
 
-    Call once the stage's parameters are final (after the tensor-parallel swap, materialisation and the tied-weight
-    broadcast). Attributes set on a parameter (tensor-parallel shard specs and gradient rules) are copied to FSDP's
-    sharded and gathered parameters.
+    On a real stage, each parameter becomes its DTensor shard; on a meta stage (delayed init: see [Note: sharded
+    stages]) the shards are meta DTensors that :func:`~lightning_mp.init.materialize_module` fills. Call after the
+    tensor-parallel swap and ``build_tied_weights`` (a tie's every name must hold the parameter, so that FSDP sets
+    its gathered parameter under each); pass the result to :class:`ShardedStage` once no tensor is on meta.
 
     Args:
         module: the LightningModule, every other stage's modules freed (``PipelineEngine.install``).
@@ -111,7 +112,8 @@ def shard_stage(
         precision: Lightning's precision plugin's ``precision``; its :func:`mixed_precision_policy` is every unit's.
 
     Returns:
-        The sharded stage, gathered (its modules hold the whole parameters, ready for the engine's step).
+        Parameter FQN -> the attributes its parameter carried (tensor-parallel shard specs and gradient rules), for
+        :class:`ShardedStage` to copy onto FSDP's sharded and gathered parameters.
     """
     attributes = {fqn: dict(vars(p)) for fqn, p in module.named_parameters() if vars(p)}
     units = [module.get_submodule(fqn) for fqn in wrapping_units(module, stage_of, stage)]
@@ -119,9 +121,7 @@ def shard_stage(
     for unit in [*units, module]:
         fully_shard(unit, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
     module.set_reduce_scatter_unused_params(True)  # a gradient missing on one rank is zeros there, as under DDP
-    sharded = ShardedStage(module, attributes)
-    sharded.gather()
-    return sharded
+    return attributes
 
 
 def check_fsdp_api() -> None:
@@ -177,6 +177,19 @@ class ShardedStage:
             state._pre_forward_hook_handle.remove()
             state._post_forward_hook_handle.remove()
         self._copy_attributes()  # onto the sharded parameters
+
+    def gathered_units(self) -> Iterator[list[nn.Parameter]]:
+        """Gather the units one at a time, each freed before the next (at setup: a rank never holds its whole stage
+        there). Yields each unit's gathered parameters: the objects every later :meth:`gather` fills again (FSDP
+        keeps them), on which the engine's gradient hooks go."""
+        for state in self._state._state_ctx.all_states:
+            for group in state._fsdp_param_groups:
+                group.lazy_init()
+                group.unshard()
+                group.wait_for_unshard()
+                self._copy_attributes()
+                yield [p for p in self.root.parameters() if not isinstance(p, DTensor)]
+                group.reshard()
 
     def gather(self) -> None:
         """All-gather every unit's parameters (once per step; a no-op while gathered): the stage's modules then hold
