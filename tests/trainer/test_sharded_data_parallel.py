@@ -181,15 +181,21 @@ def test_sdp2_x_tp2_matches_one_process(tmp_path):
         max_steps=test_tp_trainer.STEPS, record=RecordShards(str(tmp_path / "smp")), num_sanity_val_steps=0,
         use_distributed_sampler=False, **CLIP,
     )
+    _assert_tp_pieces_match(results, reference, "params", TOL)
+
+
+def _assert_tp_pieces_match(results: list[dict], reference: dict, key: str, tolerance: dict) -> None:
+    """tp2 x sdp2 (4 ranks): each rank's ``result[key]`` is this tp rank's piece of ``reference[key]``, every tensor,
+    held as its FSDP shard (``held``)."""
     for rank, result in enumerate(results):
-        tp_rank = Topology(4, rank, 1, 2).tp_rank
-        assert set(result["params"]) == set(reference["params"])
-        for name, value in result["params"].items():
+        grid = Topology(4, rank, 1, 2)
+        assert set(result[key]) == set(reference[key])
+        for name, value in result[key].items():
             spec = result["specs"][name]
-            expected = reference["params"][name]
-            expected = expected if spec is None else shard(expected, spec, tp_rank, 2)
-            torch.testing.assert_close(value, expected, **TOL, msg=name)
-            assert result["held"][name] == _shard_numel(value, 2, Topology(4, rank, 1, 2).dp_rank), name
+            expected = reference[key][name]
+            expected = expected if spec is None else shard(expected, spec, grid.tp_rank, 2)
+            torch.testing.assert_close(value, expected, **tolerance, msg=name)
+            assert result["held"][name] == _shard_numel(value, 2, grid.dp_rank), name
 
 
 def test_token_weighted_loss_matches_one_process(tmp_path):
