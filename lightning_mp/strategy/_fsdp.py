@@ -1,6 +1,6 @@
 """Sharded data parallelism: this rank's stage sharded over its data-parallel ranks with torch's FSDP2.
 
-[Note: sharded stages] Under ``sharded_data_parallel_degree > 1`` (SMP's name), :func:`shard_stage` wraps this
+[Note: sharded stages] Under ``sharded_data_parallel_degree > 1`` (SMP's name), :func:`wrap_stage` wraps this
 rank's stage with ``torch.distributed.fsdp.fully_shard`` over ``ProcessGroups.shard_mesh`` (the ``dp`` axis, or
 ``(dp_replicate, dp_shard)`` for HSDP: shard inside a group, all-reduce across groups). Parameters, gradients and
 optimizer state are then DTensor shards between steps; the optimizer from ``configure_optimizers`` steps the shards.
@@ -29,6 +29,19 @@ parameters. So a step costs one all-gather and one reduce-scatter per unit whate
 and gradients during the step (the sharded layout's saving holds between steps: optimizer state, master weights).
 An evaluation loop gathers once at its start and reshards at its end (:meth:`ShardedStage.start_evaluation`), not
 per batch: no evaluation batch runs a collective, so replicas with different numbers of batches cannot hang.
+
+*Delayed initialisation* (torchtitan's order: ``fully_shard`` on the meta model, then materialise): a stage built on
+meta is wrapped first (:func:`wrap_stage`: its parameters become meta DTensor shards), and the init record's replay
+then keeps, of each tensor it makes, only this rank's piece (:func:`~lightning_mp.init.materialize_module` on a
+meta DTensor, no communication), freeing the full tensor before the next. The values are the replay's, so bitwise
+the one-process eager build, shard by shard; a rank holds its shards plus one full tensor at a time. The
+engine's gradient hooks need the gathered parameter objects (FSDP keeps them from one gather to the next), so
+setup gathers the units one at a time, each freed before the next (:meth:`ShardedStage.gathered_units`): no rank
+holds its whole stage during setup (the first step gathers it, as above). Tie groups are built before wrapping, so
+that a replicated tie's every name holds the parameter when FSDP records where to put its gathered copy; the
+copies are broadcast shard by shard. Under tensor parallelism the swapped-in modules hold real tp-local tensors that
+load their pieces during the replay, so the stage is materialised tp-local and then sharded (the tp-local stage is
+whole at setup, not the model).
 
 *Mixed precision.* Under Lightning's ``"bf16-mixed"`` / ``"16-mixed"`` plugins every unit gets FSDP's
 ``MixedPrecisionPolicy(param_dtype=bf16 / fp16, reduce_dtype=fp32)`` (:func:`mixed_precision_policy`; torchtitan's

@@ -3,7 +3,9 @@
 :func:`choose_plan` picks where the plan comes from (one stage; a saved plan named by ``partition_plan``; the plan
 saved in the checkpoint a run resumes from; or a trace on global rank 0, broadcast, see ``_placement.py``);
 :func:`install_stage` checks the plan's tied weights, swaps this stage's modules for tensor-parallel ones, hands
-the stage to the pipeline engine, materialises delayed parameters and builds the tied-weight copies.
+the stage to the pipeline engine, builds the tied-weight copies, shards the stage (``sharded_data_parallel_degree``)
+and materialises delayed parameters, straight into the shards when it can (see [Note: sharded stages] in
+``_fsdp.py``).
 :func:`check_supported` is the check that comes before; :func:`launch_runtime` (every process group, in one order,
 and the engine over them, through :func:`build_engine`) runs once per process at launch.
 """
@@ -204,8 +206,10 @@ def install_stage(
     precision: str = "32-true",
 ) -> InstalledStage:
     """Keep this rank's stage of ``module`` (its tp shards under tensor parallelism) and hand it to ``engine``;
-    under sharded data parallelism, shard it over ``groups.shard_mesh`` last (see [Note: sharded stages] in
-    ``_fsdp.py``), in the low dtype of ``precision`` (Lightning's precision plugin's) when it is a mixed one.
+    under sharded data parallelism, shard it over ``groups.shard_mesh`` (see [Note: sharded stages] in ``_fsdp.py``),
+    in the low dtype of ``precision`` (Lightning's precision plugin's) when it is a mixed one. A delayed stage is
+    sharded on meta and materialised into its shards (under tensor parallelism: materialised tp-local, then
+    sharded).
 
     Raises:
         ValueError: the plan splits a tie that ``tied_weights`` or tensor parallelism cannot replicate.
