@@ -24,8 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_mp.init._tape import InitRecord, RecordedOp, SetRngState, TensorRef, find_record, forget_record
@@ -504,11 +503,9 @@ def _consumers(
 def _local_piece(full: torch.Tensor, meta: DTensor) -> DTensor:
     """This rank's piece of ``full`` (the whole tensor) as a DTensor laid out like ``meta`` (a meta DTensor, e.g.
     an FSDP2 shard made by ``fully_shard`` on a meta model): a copy, so that ``full`` can be freed. No
-    communication: every rank replays the same ``full`` and keeps its own piece."""
-    shape, offset = compute_local_shape_and_global_offset(meta.shape, meta.device_mesh, meta.placements)
-    piece = full
-    for dim, (size, start) in enumerate(zip(shape, offset)):
-        piece = piece.narrow(dim, start, size)
+    communication (``distribute_tensor(..., src_data_rank=None)`` splits locally): every rank replays the same
+    ``full`` and keeps its own piece."""
+    piece = distribute_tensor(full, meta.device_mesh, meta.placements, src_data_rank=None).to_local()
     return DTensor.from_local(
         piece.clone(memory_format=torch.contiguous_format), meta.device_mesh, meta.placements, run_check=False,
         shape=meta.shape, stride=meta.stride(),
@@ -526,8 +523,8 @@ def materialize_module(
     tensor's dtype (e.g. after ``model.to(torch.bfloat16)`` on meta) and moved to ``device``. Modules swapped in
     before materialisation (:func:`defer_load`, tensor parallelism) load their shards of the original tensors. A
     meta DTensor (``fully_shard`` applied on meta, torchtitan's order) gets this rank's piece of the full tensor
-    (``compute_local_shape_and_global_offset``, no communication), so a sharded model is materialised straight
-    into its shards: the rank holds its shards plus one full tensor at a time.
+    (split locally, no communication), so a sharded model is materialised straight into its shards: the rank holds
+    its shards plus one full tensor at a time.
     Each tensor is handed over as soon as its init ops have run, so with ``shard_fn`` or deferred loads a full
     tensor is freed before the next one is made.
 
