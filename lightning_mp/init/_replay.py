@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_mp.init._tape import InitRecord, RecordedOp, SetRngState, TensorRef, find_record, forget_record
@@ -499,6 +500,18 @@ def _consumers(
     return record, consumers
 
 
+def _local_piece(full: torch.Tensor, meta: DTensor) -> DTensor:
+    """This rank's piece of ``full`` (the whole tensor) as a DTensor laid out like ``meta`` (a meta DTensor, e.g.
+    an FSDP2 shard made by ``fully_shard`` on a meta model): a copy, so that ``full`` can be freed. No
+    communication (``distribute_tensor(..., src_data_rank=None)`` splits locally): every rank replays the same
+    ``full`` and keeps its own piece."""
+    piece = distribute_tensor(full, meta.device_mesh, meta.placements, src_data_rank=None).to_local()
+    return DTensor.from_local(
+        piece.clone(memory_format=torch.contiguous_format), meta.device_mesh, meta.placements, run_check=False,
+        shape=meta.shape, stride=meta.stride(),
+    )
+
+
 def materialize_module(
     model: nn.Module, device: torch.device | str | None = None, shard_fn: ShardFn | None = None
 ) -> MaterializeReport:
@@ -508,7 +521,10 @@ def materialize_module(
     tensors left are allocated. Each tensor keeps its Python identity and attributes (``torch.utils.swap_tensors``),
     so tied parameters stay tied and references held elsewhere see the data. Values are converted to the meta
     tensor's dtype (e.g. after ``model.to(torch.bfloat16)`` on meta) and moved to ``device``. Modules swapped in
-    before materialisation (:func:`defer_load`, tensor parallelism) load their shards of the original tensors.
+    before materialisation (:func:`defer_load`, tensor parallelism) load their shards of the original tensors. A
+    meta DTensor (``fully_shard`` applied on meta, torchtitan's order) gets this rank's piece of the full tensor
+    (split locally, no communication), so a sharded model is materialised straight into its shards: the rank holds
+    its shards plus one full tensor at a time.
     Each tensor is handed over as soon as its init ops have run, so with ``shard_fn`` or deferred loads a full
     tensor is freed before the next one is made.
 
@@ -544,13 +560,16 @@ def materialize_module(
             if kind == "own":
                 fqn, meta, _ = targets[item]
                 value = storages.view(ref).to(device=device, dtype=meta.dtype)
-                if shard_fn is not None:
+                if isinstance(meta, DTensor):
+                    value = _local_piece(value, meta)
+                elif shard_fn is not None:
                     value = shard_fn(fqn, value)
-                if isinstance(meta, nn.Parameter):
-                    value = type(meta)(value, requires_grad=meta.requires_grad)
+                if isinstance(meta, nn.Parameter):  # a DTensor parameter's type is DTensor: make a Parameter of it
+                    make = nn.Parameter if isinstance(meta, DTensor) else type(meta)
+                    value = make(value, requires_grad=meta.requires_grad)
                 value.__dict__.update(meta.__dict__)  # swap_tensors swaps __dict__: keep marks (tp specs, flags)
                 torch.utils.swap_tensors(meta, value)
-                held = meta.untyped_storage()
+                held = (meta.to_local() if isinstance(meta, DTensor) else meta).untyped_storage()
                 kept[held.data_ptr()] = held.nbytes()
             else:
                 target, key, source = item

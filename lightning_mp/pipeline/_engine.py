@@ -165,13 +165,15 @@ class PipelineEngine:
     def stage_of(self, fqn: str) -> int:
         return self.placement.stage_of(fqn)
 
-    def order_gradients(self, model: nn.Module) -> None:
+    def order_gradients(self, model: nn.Module | Iterable[nn.Parameter]) -> None:
         """Sum this stage's gradients in microbatch order ([Note: ordered gradient accumulation] in ``_grads.py``).
 
-        Call once the local parameters are final (after ``install`` and after materialising delayed parameters).
+        Call once the local parameters are final (after ``install`` and after materialising delayed parameters);
+        ``model``'s parameters, or the parameters themselves (an FSDP unit's gathered ones).
         """
+        params = model.parameters() if isinstance(model, nn.Module) else model
         if self.num_stages > 1:  # one stage runs its microbatches one after the other anyway
-            self.gradients.register(p for p in model.parameters() if p is not None)
+            self.gradients.register(p for p in params if p is not None)
 
     def report_gradients(
         self,

@@ -5,7 +5,8 @@ on a meta copy of the sample batch (so no parameter is ever allocated for tracin
 value (``if x[0, 0].item() > 0``) cannot run on meta and is traced again on the real sample with each module's
 weights made real during its own call only (see [Note: per-call materialisation] in ``init/_per_call.py``).
 After the engine has dropped every other stage's tensors, what is left on the rank (its stage, plus stateless
-modules' buffers, which run everywhere) is materialised by replaying the record.
+modules' buffers, which run everywhere) is materialised by replaying the record; under sharded data parallelism
+straight into the FSDP shards (see [Note: sharded stages] in ``_fsdp.py``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Sharded data parallelism: this rank's stage sharded over its data-parallel ranks with torch's FSDP2.
 
-[Note: sharded stages] Under ``sharded_data_parallel_degree > 1`` (SMP's name), :func:`shard_stage` wraps this
+[Note: sharded stages] Under ``sharded_data_parallel_degree > 1`` (SMP's name), :func:`wrap_stage` wraps this
 rank's stage with ``torch.distributed.fsdp.fully_shard`` over ``ProcessGroups.shard_mesh`` (the ``dp`` axis, or
 ``(dp_replicate, dp_shard)`` for HSDP: shard inside a group, all-reduce across groups). Parameters, gradients and
 optimizer state are then DTensor shards between steps; the optimizer from ``configure_optimizers`` steps the shards.
@@ -30,6 +30,19 @@ and gradients during the step (the sharded layout's saving holds between steps: 
 An evaluation loop gathers once at its start and reshards at its end (:meth:`ShardedStage.start_evaluation`), not
 per batch: no evaluation batch runs a collective, so replicas with different numbers of batches cannot hang.
 
+*Delayed initialisation* (torchtitan's order: ``fully_shard`` on the meta model, then materialise): a stage built on
+meta is wrapped first (:func:`wrap_stage`: its parameters become meta DTensor shards), and the init record's replay
+then keeps, of each tensor it makes, only this rank's piece (:func:`~lightning_mp.init.materialize_module` on a
+meta DTensor, no communication), freeing the full tensor before the next. The values are the replay's, so bitwise
+the one-process eager build, shard by shard; a rank holds its shards plus one full tensor at a time. The
+engine's gradient hooks need the gathered parameter objects (FSDP keeps them from one gather to the next), so
+setup gathers the units one at a time, each freed before the next (:meth:`ShardedStage.gathered_units`): no rank
+holds its whole stage during setup (the first step gathers it, as above). Tie groups are built before wrapping, so
+that a replicated tie's every name holds the parameter when FSDP records where to put its gathered copy; the
+copies are broadcast shard by shard. Under tensor parallelism the swapped-in modules hold real tp-local tensors that
+load their pieces during the replay, so the stage is materialised tp-local and then sharded (the tp-local stage is
+whole at setup, not the model).
+
 *Mixed precision.* Under Lightning's ``"bf16-mixed"`` / ``"16-mixed"`` plugins every unit gets FSDP's
 ``MixedPrecisionPolicy(param_dtype=bf16 / fp16, reduce_dtype=fp32)`` (:func:`mixed_precision_policy`; torchtitan's
 ``mixed_precision_param`` / ``mixed_precision_reduce``): ``gather`` casts the fp32 shards and all-gathers them in the
@@ -53,7 +66,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 __all__ = [
-    "ShardedStage", "check_fsdp_api", "local_tensor", "mixed_precision_policy", "shard_stage", "wrapping_units",
+    "ShardedStage", "check_fsdp_api", "local_tensor", "mixed_precision_policy", "wrap_stage", "wrapping_units",
 ]
 
 _LOW_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -94,14 +107,15 @@ def wrapping_units(module: nn.Module, stage_of: Mapping[str, int], stage: int) -
     return units
 
 
-def shard_stage(
+def wrap_stage(
     module: nn.Module, mesh: DeviceMesh, stage_of: Mapping[str, int], stage: int, precision: str = "32-true"
-) -> ShardedStage:
-    """Wrap this rank's stage of ``module`` with ``fully_shard`` over ``mesh``, units first, root last; gather it.
+) -> dict[str, dict[str, Any]]:
+    """Wrap this rank's stage of ``module`` with ``fully_shard`` over ``mesh``, units first, root last.
 
-    Call once the stage's parameters are final (after the tensor-parallel swap, materialisation and the tied-weight
-    broadcast). Attributes set on a parameter (tensor-parallel shard specs and gradient rules) are copied to FSDP's
-    sharded and gathered parameters.
+    On a real stage, each parameter becomes its DTensor shard; on a meta stage (delayed init: see [Note: sharded
+    stages]) the shards are meta DTensors that :func:`~lightning_mp.init.materialize_module` fills. Call after the
+    tensor-parallel swap and ``build_tied_weights`` (a tie's every name must hold the parameter, so that FSDP sets
+    its gathered parameter under each); pass the result to :class:`ShardedStage` once no tensor is on meta.
 
     Args:
         module: the LightningModule, every other stage's modules freed (``PipelineEngine.install``).
@@ -111,7 +125,8 @@ def shard_stage(
         precision: Lightning's precision plugin's ``precision``; its :func:`mixed_precision_policy` is every unit's.
 
     Returns:
-        The sharded stage, gathered (its modules hold the whole parameters, ready for the engine's step).
+        Parameter FQN -> the attributes its parameter carried (tensor-parallel shard specs and gradient rules), for
+        :class:`ShardedStage` to copy onto FSDP's sharded and gathered parameters.
     """
     attributes = {fqn: dict(vars(p)) for fqn, p in module.named_parameters() if vars(p)}
     units = [module.get_submodule(fqn) for fqn in wrapping_units(module, stage_of, stage)]
@@ -119,9 +134,7 @@ def shard_stage(
     for unit in [*units, module]:
         fully_shard(unit, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
     module.set_reduce_scatter_unused_params(True)  # a gradient missing on one rank is zeros there, as under DDP
-    sharded = ShardedStage(module, attributes)
-    sharded.gather()
-    return sharded
+    return attributes
 
 
 def check_fsdp_api() -> None:
@@ -177,6 +190,19 @@ class ShardedStage:
             state._pre_forward_hook_handle.remove()
             state._post_forward_hook_handle.remove()
         self._copy_attributes()  # onto the sharded parameters
+
+    def gathered_units(self) -> Iterator[list[nn.Parameter]]:
+        """Gather the units one at a time, each freed before the next (at setup: a rank never holds its whole stage
+        there). Yields each unit's gathered parameters: the objects every later :meth:`gather` fills again (FSDP
+        keeps them), on which the engine's gradient hooks go."""
+        for state in self._state._state_ctx.all_states:
+            for group in state._fsdp_param_groups:
+                group.lazy_init()
+                group.unshard()
+                group.wait_for_unshard()
+                self._copy_attributes()
+                yield [p for p in self.root.parameters() if not isinstance(p, DTensor)]
+                group.reshard()
 
     def gather(self) -> None:
         """All-gather every unit's parameters (once per step; a no-op while gathered): the stage's modules then hold

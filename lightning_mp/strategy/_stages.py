@@ -3,7 +3,9 @@
 :func:`choose_plan` picks where the plan comes from (one stage; a saved plan named by ``partition_plan``; the plan
 saved in the checkpoint a run resumes from; or a trace on global rank 0, broadcast, see ``_placement.py``);
 :func:`install_stage` checks the plan's tied weights, swaps this stage's modules for tensor-parallel ones, hands
-the stage to the pipeline engine, materialises delayed parameters and builds the tied-weight copies.
+the stage to the pipeline engine, builds the tied-weight copies, shards the stage (``sharded_data_parallel_degree``)
+and materialises delayed parameters, straight into the shards when it can (see [Note: sharded stages] in
+``_fsdp.py``).
 :func:`check_supported` is the check that comes before; :func:`launch_runtime` (every process group, in one order,
 and the engine over them, through :func:`build_engine`) runs once per process at launch.
 """
@@ -25,7 +27,7 @@ from lightning_mp.partition import ModelTrace, PartitionPlan, manual_placements
 from lightning_mp.pipeline import PipelineEngine
 from lightning_mp.strategy import _tp
 from lightning_mp.strategy._delayed import is_delayed, materialize_stage, meta_trace_inputs
-from lightning_mp.strategy._fsdp import ShardedStage, shard_stage
+from lightning_mp.strategy._fsdp import ShardedStage, wrap_stage
 from lightning_mp.strategy._launch import resolve_resume_path
 from lightning_mp.strategy._placement import (
     _FETCH,
@@ -204,8 +206,10 @@ def install_stage(
     precision: str = "32-true",
 ) -> InstalledStage:
     """Keep this rank's stage of ``module`` (its tp shards under tensor parallelism) and hand it to ``engine``;
-    under sharded data parallelism, shard it over ``groups.shard_mesh`` last (see [Note: sharded stages] in
-    ``_fsdp.py``), in the low dtype of ``precision`` (Lightning's precision plugin's) when it is a mixed one.
+    under sharded data parallelism, shard it over ``groups.shard_mesh`` (see [Note: sharded stages] in ``_fsdp.py``),
+    in the low dtype of ``precision`` (Lightning's precision plugin's) when it is a mixed one. A delayed stage is
+    sharded on meta and materialised into its shards (under tensor parallelism: materialised tp-local, then
+    sharded).
 
     Raises:
         ValueError: the plan splits a tie that ``tied_weights`` or tensor parallelism cannot replicate.
@@ -224,19 +228,26 @@ def install_stage(
             random_streams=config.tp_random_streams,
         )
     engine.install(module, stage_of, plan.ordered_state)
+    tied = build_tied_weights(module, plan, names, topology, config.timeout)  # before FSDP: every name of a tie
+    attributes = None
+    if groups.shard_mesh is not None and (not is_delayed(module) or config.tensor_parallel_degree == 1):
+        # delayed: shard on meta, then materialise straight into the shards (see [Note: sharded stages] in _fsdp.py)
+        attributes = wrap_stage(module, groups.shard_mesh, stage_of, topology.pp_rank, precision)
     if is_delayed(module):  # only this stage's tensors (under tp, shards) are left: allocate and initialise them
         materialize_stage(module, device, topology.pp_rank)
     if config.release_host_memory:
         trim_host_memory()  # what the build, the trace and the replay freed
-    tied = build_tied_weights(module, plan, names, topology, config.timeout)
+    if groups.shard_mesh is not None and attributes is None:  # delayed tp x sdp: the tp-local stage, then shards
+        attributes = wrap_stage(module, groups.shard_mesh, stage_of, topology.pp_rank, precision)
+    tied.rebind(module)  # FSDP's sharded parameter objects
     tied.broadcast_copies()  # see [Note: replicated tied weights] in _tied.py
-    sharded = None
-    if groups.shard_mesh is not None:  # the engine's gradient hooks go on the gathered parameters, see _fsdp.py
-        sharded = shard_stage(module, groups.shard_mesh, stage_of, topology.pp_rank, precision)
-    engine.order_gradients(module)
-    if sharded is not None:
-        sharded.reshard()  # configure_optimizers sees the shards
-    return InstalledStage(plan, tied, sharded)
+    if groups.shard_mesh is None:
+        engine.order_gradients(module)
+        return InstalledStage(plan, tied)
+    sharded = ShardedStage(module, attributes)
+    for params in sharded.gathered_units():  # the engine's gradient hooks go on the gathered parameters
+        engine.order_gradients(params)
+    return InstalledStage(plan, tied, sharded)  # sharded: what configure_optimizers sees
 
 
 def check_ties(plan: PartitionPlan, module: torch.nn.Module, config: SMPConfig) -> PartitionPlan:

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_mp.partition import PartitionPlan, shared_parameters
+from lightning_mp.strategy._fsdp import local_tensor
 from lightning_mp.strategy._launch import print_on_one_rank
 from lightning_mp.topology import Topology, build_tie_groups
 
@@ -112,8 +113,8 @@ class TiedWeights:
     def broadcast_copies(self) -> None:
         """Make every copy equal to the lowest stage's, in the plan's order."""
         for tie in self._mine:
-            with torch.no_grad():
-                dist.broadcast(tie.param.data, src=tie.src, group=tie.group)
+            with torch.no_grad():  # under sharded data parallelism each copy's shard (the same on every member)
+                dist.broadcast(local_tensor(tie.param.data), src=tie.src, group=tie.group)
 
     def reduce_gradients(self) -> None:
         """Sum each copy's ``.grad`` over its tie group in place (no gradient anywhere stays ``None``)."""

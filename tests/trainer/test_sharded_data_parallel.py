@@ -35,16 +35,18 @@ TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
 class DelayedLM(Wrapped):
-    """``tiedlm`` built in ``configure_model`` (delayed under ``delayed_parameter_initialization``), seeded there."""
+    """``tiedlm`` built in ``configure_model`` (delayed under ``delayed_parameter_initialization``), seeded there;
+    ``sizes``: ``TinyLM``'s arguments."""
 
-    def __init__(self) -> None:
+    def __init__(self, **sizes: int) -> None:
         super().__init__("tiedlm")
         self.net = None
+        self.sizes = sizes
 
     def configure_model(self) -> None:
         if self.net is None:
             torch.manual_seed(0)
-            self.net = TinyLM()
+            self.net = TinyLM(**self.sizes)
 
 
 def _sdp(pp: int, sdp: int, microbatches: int = 2, **kwargs) -> lightning_mp.SMPStrategy:
@@ -107,11 +109,11 @@ def test_fit_matches_one_process(tmp_path, pp, dp, sdp, kwargs, trainer_kwargs):
     _assert_matches(results, reference, pp, sdp)
 
 
-def _fit_lm(out_dir: str, strategy, devices: int, trainer_kwargs: dict, record=None) -> list[dict]:
+def _fit_lm(out_dir: str, strategy, devices: int, trainer_kwargs: dict, record=None, module=None) -> list[dict]:
     trainer_kwargs = dict(trainer_kwargs)
     callbacks = trainer_kwargs.pop("callbacks_extra", ())
     return fit_and_collect(
-        DelayedLM(), out_dir, devices=devices, strategy=strategy, max_steps=STEPS,
+        module or DelayedLM(), out_dir, devices=devices, strategy=strategy, max_steps=STEPS,
         record=record or RecordShards(out_dir, logged=True, metrics=True),
         callbacks=callbacks, num_sanity_val_steps=0, use_distributed_sampler=False, **trainer_kwargs,
     )
@@ -179,15 +181,21 @@ def test_sdp2_x_tp2_matches_one_process(tmp_path):
         max_steps=test_tp_trainer.STEPS, record=RecordShards(str(tmp_path / "smp")), num_sanity_val_steps=0,
         use_distributed_sampler=False, **CLIP,
     )
+    _assert_tp_pieces_match(results, reference, "params", TOL)
+
+
+def _assert_tp_pieces_match(results: list[dict], reference: dict, key: str, tolerance: dict) -> None:
+    """tp2 x sdp2 (4 ranks): each rank's ``result[key]`` is this tp rank's piece of ``reference[key]``, every tensor,
+    held as its FSDP shard (``held``)."""
     for rank, result in enumerate(results):
-        tp_rank = Topology(4, rank, 1, 2).tp_rank
-        assert set(result["params"]) == set(reference["params"])
-        for name, value in result["params"].items():
+        grid = Topology(4, rank, 1, 2)
+        assert set(result[key]) == set(reference[key])
+        for name, value in result[key].items():
             spec = result["specs"][name]
-            expected = reference["params"][name]
-            expected = expected if spec is None else shard(expected, spec, tp_rank, 2)
-            torch.testing.assert_close(value, expected, **TOL, msg=name)
-            assert result["held"][name] == _shard_numel(value, 2, Topology(4, rank, 1, 2).dp_rank), name
+            expected = reference[key][name]
+            expected = expected if spec is None else shard(expected, spec, grid.tp_rank, 2)
+            torch.testing.assert_close(value, expected, **tolerance, msg=name)
+            assert result["held"][name] == _shard_numel(value, 2, grid.dp_rank), name
 
 
 def test_token_weighted_loss_matches_one_process(tmp_path):
