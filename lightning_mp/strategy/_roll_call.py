@@ -3,17 +3,18 @@
 [Note: roll call after a failed collective] gloo reports a dead peer as "Connection closed by peer
 [127.0.0.1]:port" or "Connection reset by peer", and a hung one as a timeout, without a rank; DCP's collectives
 and Lightning's broadcasts pass those errors on as they are. Every rank of an ``smp`` run therefore keeps one
-daemon thread (``smp-roll-call``) with its own connection to the job's store (the ``TCPStore`` the process group
+daemon thread (``lightning_mp-roll-call``, which lives as long as the process groups) with its own connection to the job's store (the ``TCPStore`` the process group
 rendezvoused on: global rank 0's process under Lightning's launchers, the agent under torchrun). A rank whose
-collective failed calls the roll: ``n = add("calls", 1)``, sets ``call/<n>``, and waits up to ``ANSWER_S`` for
-``answer/<n>/<r>`` of every rank it asks about. Each live process's thread answers every call in order, whatever
+collective failed calls the roll: ``n = add("calls", 1)``, sets ``call/<n>/<r>`` for every rank (one
+``multi_set``), and waits up to ``ANSWER_S`` for ``answer/<n>/<r>`` of every rank it asks about. Each live process's thread answers every call in order, whatever
 its main thread is doing (blocked in the same collective, tearing down), so a rank that does not answer died or
 is stopped (SIGSTOP); a main thread in an endless loop still answers (its thread gets the GIL), and is found by
 ``SMPConfig.timeout`` instead. A rank that re-raises a collective's failure first writes ``left/<r>`` (its
 error's first line), so a later roll call does not take it for dead once it has exited. If the store does not
 answer, its host is named. Every wait is bounded: the connection, each store call (``ANSWER_S``) and the roll.
 The cost is one thread and one store connection per process, nothing per step (torchelastic's agents keep
-heartbeats running instead; this asks only after a failure).
+heartbeats running instead; this asks only after a failure). At exit the thread is woken through its own key and
+joined (:func:`stop_answering`) before the process groups are destroyed.
 
 The failure is re-raised as :class:`RankFailedError` (the backend's error as its ``__cause__``) when some rank did
 not answer, else the original error with a note saying every rank answered.
@@ -21,6 +22,7 @@ not answer, else the original error with a note saying every rank answered.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import threading
@@ -34,7 +36,7 @@ from torch.distributed import PrefixStore, Store, TCPStore
 from torch.distributed.checkpoint.api import CheckpointException
 
 __all__ = ["ANSWER_S", "RankFailedError", "answer_roll_calls", "is_collective_failure", "leave", "naming_failed_ranks",
-           "roll_call", "store_address"]
+           "roll_call", "stop_answering", "store_address"]
 
 ANSWER_S = 3.0
 """Seconds a roll call waits for the answers (and for each store call): a live rank's thread answers in
@@ -89,7 +91,10 @@ def store_address(store: Store) -> StoreAddress | None:
 class _Answering:
     address: StoreAddress
     rank: int
+    world_size: int
     thread: threading.Thread
+    stopping: threading.Event
+    waiting_for: int = 1  # the call the thread waits for
 
 
 _ANSWERING: _Answering | None = None  # this process's answering thread: one per process, as its default group
@@ -98,29 +103,54 @@ _ANSWERING: _Answering | None = None  # this process's answering thread: one per
 def answer_roll_calls(store: Store | None = None) -> None:
     """Start this process's answering thread, for roll calls through ``store`` (the default process group's store
     when ``None``; a store not over a ``TCPStore`` gets none). Once per process, again after its store went away.
-    Call after ``init_process_group``."""
+    Call after ``init_process_group``; :func:`stop_answering` ends it (at exit, before the groups are destroyed)."""
     global _ANSWERING
     if _ANSWERING is not None and _ANSWERING.thread.is_alive():
         return
     address = store_address(store if store is not None else dist.distributed_c10d._get_default_store())
     if address is None:
         return
-    rank = dist.get_rank()
-    store = address.connect(_BLOCKING)
-    thread = threading.Thread(target=_answer, args=(store, rank), daemon=True, name="smp-roll-call")
-    thread.start()
-    _ANSWERING = _Answering(address, rank, thread)
+    _ANSWERING = _Answering(address, dist.get_rank(), dist.get_world_size(), threading.Thread(), threading.Event())
+    _ANSWERING.thread = threading.Thread(
+        target=_answer, args=(address.connect(_BLOCKING), _ANSWERING), daemon=True, name="lightning_mp-roll-call"
+    )
+    _ANSWERING.thread.start()
+    atexit.register(stop_answering)
 
 
-def _answer(store: Store, rank: int) -> None:
-    call = 1
+def _answer(store: Store, me: _Answering) -> None:
     while True:
         try:
-            store.get(f"call/{call}")  # blocks until someone calls
-            store.set(f"answer/{call}/{rank}", b"1")
+            store.get(f"call/{me.waiting_for}/{me.rank}")  # blocks until someone calls (or this process stops it)
+            if me.stopping.is_set():
+                store.set(f"stopped/{me.rank}", b"1")
+                return
+            store.set(f"answer/{me.waiting_for}/{me.rank}", b"1")
         except Exception:  # noqa: BLE001 - the store went away (the job ends): nobody will call again
             return
-        call += 1
+        me.waiting_for += 1
+
+
+def stop_answering(wait_s: float = ANSWER_S) -> None:
+    """End this process's answering thread (bounded by ``wait_s``): it is woken through the store and joined, so
+    that no thread waits in the store's client when the interpreter finalises (a store call that fails then aborts
+    the process) or when the store goes away. The process that hosts the store (global rank 0 under Lightning's
+    launchers) first gives the others up to ``wait_s`` to stop theirs: its store's end would fail their waits."""
+    me = _ANSWERING
+    if me is None or me.stopping.is_set():
+        return
+    me.stopping.set()
+    if not me.thread.is_alive():
+        return
+    deadline = time.monotonic() + wait_s
+    with contextlib.suppress(Exception):
+        store = me.address.connect(timedelta(seconds=wait_s))
+        store.set(f"call/{me.waiting_for}/{me.rank}", b"stop")
+        me.thread.join(max(0.0, deadline - time.monotonic()))
+        if me.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+            keys = [f"stopped/{r}" for r in range(me.world_size)]
+            while not store.check(keys) and time.monotonic() < deadline + wait_s:
+                time.sleep(0.05)
 
 
 def is_collective_failure(err: BaseException) -> bool:
@@ -199,7 +229,7 @@ def roll_call(ranks: Sequence[int], my_error: str, wait_s: float = ANSWER_S) -> 
         store = address.connect(timedelta(seconds=wait_s))
         store.set(f"left/{answering.rank}", my_error[:300].encode())
         call = store.add("calls", 1)
-        store.set(f"call/{call}", b"1")
+        store.multi_set([f"call/{call}/{r}" for r in range(answering.world_size)], [b"1"] * answering.world_size)
         keys = [f"answer/{call}/{r}" for r in ranks]
         deadline = time.monotonic() + wait_s
         while not store.check(keys) and time.monotonic() < deadline:

@@ -21,12 +21,22 @@ def job(monkeypatch):
     """A store, ranks 0, 1 and 3 of a 4-rank job answering (rank 2 never does), this process being rank 0."""
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     address = StoreAddress("127.0.0.1", server.port, "/test/roll_call")
-    for rank in (0, 1, 3):
-        store = address.connect(timedelta(seconds=60))
-        threading.Thread(target=_roll_call._answer, args=(store, rank), daemon=True).start()
-    me = _roll_call._Answering(address, 0, threading.current_thread())
-    monkeypatch.setattr(_roll_call, "_ANSWERING", me)
+    ranks = []
+    for rank in (0, 1, 3):  # one answering thread per rank, as in each rank's process
+        answering = _roll_call._Answering(address, rank, 4, threading.Thread(), threading.Event())
+        answering.thread = threading.Thread(target=_roll_call._answer, args=(address.connect(_WAIT), answering))
+        answering.thread.start()
+        ranks.append(answering)
+    monkeypatch.setattr(_roll_call, "_ANSWERING", ranks[0])
     yield server, address
+    for answering in ranks:  # stopped through the store, as at exit
+        answering.stopping.set()
+        address.connect(_WAIT).set(f"call/{answering.waiting_for}/{answering.rank}", b"stop")
+        answering.thread.join(10)
+        assert not answering.thread.is_alive()
+
+
+_WAIT = timedelta(seconds=60)
 
 
 def test_the_rank_that_does_not_answer_is_named(job):
@@ -48,8 +58,10 @@ def test_a_store_that_does_not_answer_names_its_host(job, monkeypatch):
     server, address = job
     gone = StoreAddress("127.0.0.1", address.port, address.prefix)
     del server  # the fixture keeps it: a closed port instead
+    alive = threading.Thread(target=time.sleep, args=(30,), daemon=True)  # an answering thread not ended yet
+    alive.start()
     monkeypatch.setattr(_roll_call, "_ANSWERING", _roll_call._Answering(
-        StoreAddress("127.0.0.1", _closed_port(), gone.prefix), 0, threading.current_thread()))
+        StoreAddress("127.0.0.1", _closed_port(), gone.prefix), 0, 4, alive, threading.Event()))
     start = time.monotonic()
     absent, detail = roll_call([1, 2, 3], "RuntimeError: Connection reset by peer", wait_s=1.0)
     assert absent is None and "did not answer" in detail and "global rank 0's process" in detail, detail
