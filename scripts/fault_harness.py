@@ -347,6 +347,8 @@ def run_trial(trial: Trial, root: Path, timeout_s: int, reference: dict[int, flo
     seen: dict[int, str] = {}
     while True:
         time.sleep(0.1)
+        if "start_s" not in trial.extra and (run_dir / "step-0").exists():  # every rank past setup's collectives
+            trial.extra["start_s"] = round((run_dir / "step-0").stat().st_mtime - start, 1)
         if not signalled and (run_dir / f"step-{trial.step}").exists():
             proc.send_signal(signal.SIGTERM if trial.point == "sigterm" else signal.SIGINT)
             trial.fault_s, trial.what, signalled = time.time(), f"{trial.point.upper()} to the launcher", True
