@@ -3,14 +3,15 @@
 [Note: roll call after a failed collective] gloo reports a dead peer as "Connection closed by peer
 [127.0.0.1]:port" or "Connection reset by peer", and a hung one as a timeout, without a rank; DCP's collectives
 and Lightning's broadcasts pass those errors on as they are. Every rank of an ``smp`` run therefore keeps one
-daemon thread (``lightning_mp-roll-call``, which lives as long as the process groups) with its own connection to the job's store (the ``TCPStore`` the process group
-rendezvoused on: global rank 0's process under Lightning's launchers, the agent under torchrun). A rank whose
-collective failed calls the roll: ``n = add("calls", 1)``, sets ``call/<n>/<r>`` for every rank (one
-``multi_set``), and waits up to ``ANSWER_S`` for ``answer/<n>/<r>`` of every rank it asks about. Each live process's thread answers every call in order, whatever
-its main thread is doing (blocked in the same collective, tearing down), so a rank that does not answer died or
-is stopped (SIGSTOP); a main thread in an endless loop still answers (its thread gets the GIL), and is found by
-``SMPConfig.timeout`` instead. A rank that re-raises a collective's failure first writes ``left/<r>`` (its
-error's first line), so a later roll call does not take it for dead once it has exited. If the store does not
+daemon thread (``lightning_mp-roll-call``, living as long as the process groups) with its own connection to the
+job's store (the ``TCPStore`` the process group rendezvoused on: global rank 0's process under Lightning's
+launchers, the agent under torchrun). A rank whose collective failed calls the roll: ``n = add("calls", 1)``, sets
+``call/<n>/<r>`` for every rank (one ``multi_set``), and waits up to ``ANSWER_S`` for ``answer/<n>/<r>`` of every
+rank it asks about. Each live process's thread answers every call in order, whatever its main thread is doing
+(blocked in the same collective, tearing down), so a rank that does not answer died or is stopped (SIGSTOP); a
+main thread in an endless loop still answers (its thread gets the GIL), and is found by ``SMPConfig.timeout``
+instead. A rank that leaves with an error first writes ``left/<r>`` (its error's first line), so a later roll
+call does not take it for dead once it has exited. If the store does not
 answer, its host is named. Every wait is bounded: the connection, each store call (``ANSWER_S``) and the roll.
 The cost is one thread and one store connection per process, nothing per step (torchelastic's agents keep
 heartbeats running instead; this asks only after a failure). At exit the thread is woken through its own key and
@@ -95,6 +96,7 @@ class _Answering:
     thread: threading.Thread
     stopping: threading.Event
     waiting_for: int = 1  # the call the thread waits for
+    failed: bool = False  # this process leaves with an error (see stop_answering)
 
 
 _ANSWERING: _Answering | None = None  # this process's answering thread: one per process, as its default group
@@ -135,7 +137,8 @@ def stop_answering(wait_s: float = ANSWER_S) -> None:
     """End this process's answering thread (bounded by ``wait_s``): it is woken through the store and joined, so
     that no thread waits in the store's client when the interpreter finalises (a store call that fails then aborts
     the process) or when the store goes away. The process that hosts the store (global rank 0 under Lightning's
-    launchers) first gives the others up to ``wait_s`` to stop theirs: its store's end would fail their waits."""
+    launchers) first gives the others up to ``wait_s`` to stop theirs, as their waits would fail noisily when its
+    store goes; not when it leaves with an error (dead ranks never stop theirs)."""
     me = _ANSWERING
     if me is None or me.stopping.is_set():
         return
@@ -147,9 +150,9 @@ def stop_answering(wait_s: float = ANSWER_S) -> None:
         store = me.address.connect(timedelta(seconds=wait_s))
         store.set(f"call/{me.waiting_for}/{me.rank}", b"stop")
         me.thread.join(max(0.0, deadline - time.monotonic()))
-        if me.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
-            keys = [f"stopped/{r}" for r in range(me.world_size)]
-            while not store.check(keys) and time.monotonic() < deadline + wait_s:
+        if me.rank == 0 and not me.failed and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+            keys, deadline = [f"stopped/{r}" for r in range(me.world_size)], time.monotonic() + wait_s
+            while not store.check(keys) and time.monotonic() < deadline:
                 time.sleep(0.05)
 
 
@@ -158,8 +161,8 @@ def is_collective_failure(err: BaseException) -> bool:
     ``RuntimeError`` (its text names gloo), or DCP's ``CheckpointException`` over one of those."""
     seen = 0
     while err is not None and seen < 8:
-        if isinstance(err, RankFailedError):
-            return False  # named already
+        if isinstance(err, RankFailedError) or not isinstance(err, (Exception, CheckpointException)):
+            return False  # named already; or Ctrl-C, an exit: those must not wait for a roll call
         if isinstance(err, dist.DistError) or (isinstance(err, RuntimeError) and "gloo" in str(err)):
             return True
         if isinstance(err, CheckpointException):
@@ -222,6 +225,7 @@ def roll_call(ranks: Sequence[int], my_error: str, wait_s: float = ANSWER_S) -> 
     answering = _ANSWERING
     if answering is None:
         return None, None
+    answering.failed = True
     address = answering.address
     try:
         if not answering.thread.is_alive():  # its connection to the store broke: the store went away
@@ -250,7 +254,10 @@ def leave(my_error: str, wait_s: float = ANSWER_S) -> None:
     """Record in the store that this rank leaves with ``my_error`` (its error's first line), so that roll calls
     after its exit do not name it as dead. Bounded by ``wait_s``; a store that does not answer is left alone."""
     answering = _ANSWERING
-    if answering is None or not answering.thread.is_alive():
+    if answering is None:
+        return
+    answering.failed = True
+    if not answering.thread.is_alive():
         return
     with contextlib.suppress(Exception):
         answering.address.connect(timedelta(seconds=wait_s)).set(f"left/{answering.rank}", my_error[:300].encode())

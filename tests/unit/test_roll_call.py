@@ -84,6 +84,9 @@ def test_what_counts_as_a_failed_collective():
     assert not is_collective_failure(CheckpointException("save failed", {1: (ValueError("bad key"), None)}))
     assert not is_collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not is_collective_failure(RankFailedError("named already", [2]))
+    interrupted = KeyboardInterrupt()
+    interrupted.__context__ = gloo
+    assert not is_collective_failure(interrupted)
     chained = ValueError("wrapped")
     chained.__cause__ = gloo
     assert is_collective_failure(chained)
