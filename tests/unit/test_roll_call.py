@@ -54,14 +54,11 @@ def test_a_rank_that_left_with_its_own_error_is_not_named(job):
     assert absent == [] and "global ranks [2] had left with errors of their own" in detail, (absent, detail)
 
 
-def test_a_store_that_does_not_answer_names_its_host(job, monkeypatch):
-    server, address = job
-    gone = StoreAddress("127.0.0.1", address.port, address.prefix)
-    del server  # the fixture keeps it: a closed port instead
+def test_a_store_that_does_not_answer_names_its_host(monkeypatch):
     alive = threading.Thread(target=time.sleep, args=(30,), daemon=True)  # an answering thread not ended yet
     alive.start()
-    monkeypatch.setattr(_roll_call, "_ANSWERING", _roll_call._Answering(
-        StoreAddress("127.0.0.1", _closed_port(), gone.prefix), 0, 4, alive, threading.Event()))
+    gone = StoreAddress("127.0.0.1", _closed_port(), "/test/roll_call")  # a store whose host died: nobody listens
+    monkeypatch.setattr(_roll_call, "_ANSWERING", _roll_call._Answering(gone, 0, 4, alive, threading.Event()))
     start = time.monotonic()
     absent, detail = roll_call([1, 2, 3], "RuntimeError: Connection reset by peer", wait_s=1.0)
     assert absent is None and "did not answer" in detail and "global rank 0's process" in detail, detail
