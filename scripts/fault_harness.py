@@ -28,8 +28,9 @@ failed rank (its global rank) and what the survivor was waiting for (the text is
 behind (found by a per-trial token in ``/proc/<pid>/environ``; killed after the deadline and counted), and the newest
 complete checkpoint: it is resumed (``--ckpt_path``) and the resumed run's losses are compared with the
 uninterrupted run's, which the harness ran first (one per layout). A SIGSTOPped victim is killed by the harness once
-the others are gone (it cannot exit by itself); it is not counted as left behind. Prints a table (fault point x
-outcome), a summary line, and writes every trial's record as JSON (``--out``).
+the others are gone (it cannot exit by itself); it is not counted as left behind. Each run starts in a fresh
+folder; a trial whose fault did not fire is reported and drawn again (``run_until_reached``). Prints a table (fault
+point x outcome), a summary line, and writes every trial's record as JSON (``--out``).
 """
 
 from __future__ import annotations
