@@ -28,19 +28,22 @@ failed rank (its global rank) and what the survivor was waiting for (the text is
 behind (found by a per-trial token in ``/proc/<pid>/environ``; killed after the deadline and counted), and the newest
 complete checkpoint: it is resumed (``--ckpt_path``) and the resumed run's losses are compared with the
 uninterrupted run's, which the harness ran first (one per layout). A SIGSTOPped victim is killed by the harness once
-the others are gone (it cannot exit by itself); it is not counted as left behind. Prints a table (fault point x
-outcome), a summary line, and writes every trial's record as JSON (``--out``).
+the others are gone (it cannot exit by itself); it is not counted as left behind. Each run starts in a fresh
+folder; a trial whose fault did not fire is reported and drawn again (``run_until_reached``). Prints a table (fault
+point x outcome), a summary line, and writes every trial's record as JSON (``--out``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import faulthandler
 import hashlib
 import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -92,7 +95,7 @@ class FaultInjector(pl.Callback):
     def _fire(self, what: str, sig: int = signal.SIGKILL) -> None:
         self._armed = False
         record = {"point": self.point, "rank": self.rank, "pid": os.getpid(), "time": time.time(), "what": what,
-                  "signal": signal.Signals(sig).name}
+                  "signal": signal.Signals(sig).name, "token": os.environ.get("SMP_FAULT_TOKEN", "")}
         (self.dir / "fault.json").write_text(json.dumps(record))
         os.kill(os.getpid(), sig)
 
@@ -280,7 +283,10 @@ def _run_pids(token: str) -> dict[int, str]:
 
 def launch(layout: str, run_dir: Path, token: str, timeout_s: int, fault: str = "", ckpt_path: str | None = None
            ) -> subprocess.Popen:
-    run_dir.mkdir(parents=True, exist_ok=True)
+    """Start one run into a fresh ``run_dir`` (a folder left by an earlier harness run is removed first: its
+    ``fault.json``, step markers and checkpoints would be read as this run's)."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
     env = dict(os.environ, SMP_FAULT=fault, SMP_FAULT_DIR=str(run_dir), SMP_FAULT_TOKEN=token,
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1",
                PYTHONFAULTHANDLER="1")
@@ -318,9 +324,12 @@ def run_reference(layout: str, root: Path, timeout_s: int) -> dict[int, float]:
 
 
 def _victim_error(log: str, rank: int) -> str:
-    """The first line of an error in ``log`` that names global rank ``rank`` ("" when none does): ours ("global rank
-    R"), or Lightning's launcher's ("[rank: R] Child process with PID ... terminated with code -9")."""
-    pattern = re.compile(rf"(global ranks? (\[[\d, ]*)?{rank}\b|\[rank: {rank}\] Child process)")
+    """The first line of an error in ``log`` that names global rank ``rank`` ("" when none does) as the failed one:
+    ours ("global rank R died", "global ranks [.., R, ..] died", "pipeline stage S (global rank R)", "its host,
+    global rank R's process"), or Lightning's launcher's ("[rank: R] Child process with PID ... terminated with code
+    -9"). A list of a collective's ranks ("over global ranks [0, 1, 2, 3]") does not count."""
+    pattern = re.compile(rf"(global rank {rank}\b(?![,\]])|global ranks \[[\d, ]*\b{rank}\b[\d, ]*\] died"
+                         rf"|\[rank: {rank}\] Child process)")
     for line in log.splitlines():
         if pattern.search(line) and re.search(r"Error|error|failed|Lost|heard nothing|Timed out|terminated", line):
             return line.strip()[:400]
@@ -339,6 +348,8 @@ def run_trial(trial: Trial, root: Path, timeout_s: int, reference: dict[int, flo
     seen: dict[int, str] = {}
     while True:
         time.sleep(0.1)
+        if "start_s" not in trial.extra and (run_dir / "step-0").exists():  # every rank past setup's collectives
+            trial.extra["start_s"] = round((run_dir / "step-0").stat().st_mtime - start, 1)
         if not signalled and (run_dir / f"step-{trial.step}").exists():
             proc.send_signal(signal.SIGTERM if trial.point == "sigterm" else signal.SIGINT)
             trial.fault_s, trial.what, signalled = time.time(), f"{trial.point.upper()} to the launcher", True
@@ -348,6 +359,8 @@ def run_trial(trial: Trial, root: Path, timeout_s: int, reference: dict[int, flo
                 fault = json.loads((run_dir / "fault.json").read_text())
             except ValueError:
                 continue  # being written
+            if fault.get("token") != token:
+                raise RuntimeError(f"{run_dir / 'fault.json'} is not this trial's (token {fault.get('token')!r})")
             trial.fault_s, trial.what, victim_pid = fault["time"], fault["what"], fault["pid"]
         if trial.fault_s is not None and deadline is None:
             deadline = trial.fault_s + timeout_s + 30
@@ -461,6 +474,26 @@ def plan_trials(count: int, seed: int, layouts: list[str], points: list[str]) ->
     return trials
 
 
+MAX_REDRAWS = 2
+
+
+def run_until_reached(trial: Trial, root: Path, timeout_s: int, reference: dict[int, float], seed: int) -> Trial:
+    """Run ``trial``; a run that ended without its fault firing is reported ("fault not reached", with its exit
+    code) and the trial is drawn again (victim rank and step, from ``seed`` and the trial's index), at most
+    ``MAX_REDRAWS`` times. The draws that missed stay in ``extra["redrawn"]``; the last run is the trial's record."""
+    rng = random.Random(f"{seed}-{trial.index}")
+    missed = []
+    while True:
+        done = run_trial(dataclasses.replace(trial, extra={}), root, timeout_s, reference)
+        if done.fault_s is not None or len(missed) == MAX_REDRAWS:
+            done.extra["redrawn"] = missed
+            return done
+        missed.append(f"rank {done.rank} step {done.step}: fault not reached (exit code {done.exit_code})")
+        print(f"trial {trial.index}: {trial.point} at {missed[-1]}; drawn again", flush=True)
+        rank = 0 if trial.point in ("sigterm", "sigint") else rng.randrange(4)
+        trial = dataclasses.replace(trial, rank=rank, step=rng.randrange(1, EPOCHS * STEPS_PER_EPOCH - 1))
+
+
 def outcome(trial: Trial, timeout_s: float) -> str:
     if trial.fault_s is None:
         return "fault not reached"
@@ -475,6 +508,11 @@ def outcome(trial: Trial, timeout_s: float) -> str:
     return "ok"
 
 
+def _redraws(trial: Trial) -> str:
+    missed = trial.extra.get("redrawn", [])
+    return f" (drawn again {len(missed)}x: {'; '.join(missed)})" if missed else ""
+
+
 def print_table(trials: list[Trial], timeout_s: float) -> None:
     print("| # | layout | point | rank | step | out after (s) | named | left | checkpoint | resume exact | outcome |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -483,7 +521,7 @@ def print_table(trials: list[Trial], timeout_s: float) -> None:
         named = "-" if t.named is None else ("yes" if t.named else "no")
         exact = "-" if t.resume_exact is None else ("yes" if t.resume_exact else "no")
         print(f"| {t.index} | {t.layout} | {t.point} | {t.rank} | {t.step} | {after} | {named} | {t.left_behind} |"
-              f" {t.checkpoint or '-'} | {exact} | {outcome(t, timeout_s)} |")
+              f" {t.checkpoint or '-'} | {exact} | {outcome(t, timeout_s)}{_redraws(t)} |")
     ok = sum(outcome(t, timeout_s) == "ok" for t in trials)
     worst = max((t.out_after_s for t in trials if t.out_after_s is not None), default=float("nan"))
     resumed = [t for t in trials if t.resume_exact is not None]
@@ -513,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     references = {layout: run_reference(layout, root, args.timeout) for layout in args.layouts}
     trials = []
     for trial in plan_trials(args.trials, args.seed, args.layouts, args.points):
-        trials.append(run_trial(trial, root, args.timeout, references[trial.layout]))
+        trials.append(run_until_reached(trial, root, args.timeout, references[trial.layout], args.seed))
         t = trials[-1]
         print(f"trial {t.index}: {t.layout} {t.point} rank {t.rank} step {t.step}: {outcome(t, args.timeout)}"
               f" ({t.what}; out after {t.out_after_s}; {t.error[:160]!r}; {t.resume_note[:200]})", flush=True)

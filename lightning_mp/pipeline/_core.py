@@ -71,6 +71,7 @@ class SessionCore:
     def __init__(self, info: StageInfo, step: str) -> None:
         self.info = info
         self.step = step
+        self.order_notice: threading.Thread | None = None  # a failed leader's notice, joined by PipelineEngine.close
         self.stage = info.stage
         self.peers = [s for s in range(info.num_stages) if s != info.stage]
         self.timeout_s = info.timeout_s
@@ -277,6 +278,7 @@ class SessionCore:
         )
         notice.start()
         notice.join(POLL_S)
+        self.order_notice = notice
 
     def _notify_followers(self, last: tuple) -> None:
         for follower in range(1, self._order.size):

@@ -34,6 +34,8 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
+import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -57,6 +59,9 @@ from lightning_mp.pipeline._timeline import TimelineRecorder
 from lightning_mp.pipeline._zero_bubble import WeightPasses, run_backward
 
 __all__ = ["PipelineEngine", "PipelineError", "PipelineSession"]
+
+ORDER_NOTICE_S = 5.0
+"""Seconds :meth:`PipelineEngine.close` waits for failed order leaders' notices still being sent."""
 
 
 class PipelineEngine:
@@ -117,6 +122,7 @@ class PipelineEngine:
         self._session: PipelineSession | None = None
         self._call_ids = itertools.count()
         self._sessions = itertools.count()
+        self._order_notices: list[threading.Thread] = []  # failed leaders' notices still being sent (see close)
         self._step_names: dict[str, int] = {}
         self.rng = MicrobatchRNG(torch.initial_seed() if seed is None else seed)
         self.state_updates = OrderedStateUpdates(forward_context)
@@ -188,7 +194,12 @@ class PipelineEngine:
 
     def close(self) -> None:
         """Stop the transports' threads (a pair data plane's communication thread, after its sends in flight), at
-        the end of the process: no step runs after it. Safe to call twice."""
+        the end of the process: no step runs after it. Safe to call twice. A failed order leader's notice still
+        being sent gets up to ``ORDER_NOTICE_S`` first (its gloo send must not outlive the groups)."""
+        deadline = time.monotonic() + ORDER_NOTICE_S
+        for notice in self._order_notices:
+            notice.join(max(0.0, deadline - time.monotonic()))
+        self._order_notices = []
         for transport in (self.transport, self.order_transport):
             if transport is not None:
                 transport.close()
@@ -235,6 +246,8 @@ class PipelineEngine:
             finally:
                 self._session = None
                 self.rng.end_step()
+                notice = session.core.order_notice
+                self._order_notices = [t for t in self._order_notices if t.is_alive()] + ([notice] if notice else [])
         if session.error is not None:  # e.g. a remote call whose output nobody touched failed after the step
             raise PipelineError(str(session.error)) from session.error
 

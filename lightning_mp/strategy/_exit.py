@@ -38,6 +38,8 @@ import torch.distributed as dist
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from typing_extensions import override
 
+from lightning_mp.strategy._roll_call import stop_answering
+
 __all__ = ["SpawnLauncher", "release_at_exit"]
 
 _STRATEGIES: weakref.WeakSet = weakref.WeakSet()
@@ -57,6 +59,7 @@ def release_at_exit(strategy: Any) -> None:
 
 
 def _destroy_and_collect() -> None:
+    stop_answering()  # before the store can go: see [Note: roll call after a failed collective] in _roll_call.py
     for strategy in list(_STRATEGIES):  # their transports' threads end while the groups they use still exist
         strategy._close_transports()
     if dist.is_available() and dist.is_initialized():

@@ -41,6 +41,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_mp.memory._host import fix_mmap_threshold, retain_freed_memory
 from lightning_mp.strategy._exit import SpawnLauncher
+from lightning_mp.strategy._roll_call import naming_failed_ranks
 
 if TYPE_CHECKING:
     from lightning_mp.strategy._strategy import SMPStrategy
@@ -126,11 +127,17 @@ class _ScriptLauncher(_SubprocessScriptLauncher):
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         before_launch(self._strategy, trainer, function, args, kwargs)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+        with naming_failed_ranks(_what(function)):  # see [Note: roll call after a failed collective]
+            return super().launch(function, *args, trainer=trainer, **kwargs)
 
     def _call_children_scripts(self) -> None:
         super()._call_children_scripts()
         atexit.register(join_children, self.procs, CHILDREN_EXIT_S)
+
+
+def _what(function: Callable) -> str:
+    """``Trainer.fit`` for Lightning's ``_fit_impl`` (what failed, in a roll call's message)."""
+    return f"`Trainer.{function.__name__.strip('_').removesuffix('_impl')}`"
 
 
 CHILDREN_EXIT_S = 30.0
@@ -181,7 +188,8 @@ class _Spawn(SpawnLauncher):
             torch.set_num_threads(1)
         if self._parent_generators is not None:
             _set_rng_states(self._parent_generators)
-        super()._wrapping_function(*args, **kwargs)
+        with naming_failed_ranks(_what(args[2])):  # (process_idx, trainer, function, ...): see _roll_call.py
+            super()._wrapping_function(*args, **kwargs)
 
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
         """Lightning's (every rank computes the state dict), FSDP shards gathered whole for the main process."""

@@ -1,4 +1,4 @@
-"""Preemption (SIGTERM) and Ctrl-C (SIGINT) in every rank of an ``smp`` run.
+"""Preemption (SIGTERM), SLURM's requeue signal and Ctrl-C (SIGINT) in every rank of an ``smp`` run.
 
 [Note: SIGTERM at a step boundary] Lightning's answer to SIGTERM (what Lightning users expect): every rank stops
 at a batch boundary with ``SIGTERMException``, ``on_exception`` runs (``OnExceptionCheckpoint`` saves there: the
@@ -17,6 +17,17 @@ batches (Lightning itself broadcasts a flag at each one), while evaluation and p
 different numbers of batches (predict's sampler does not repeat samples), so a collective there could wait for a
 rank that has finished; a SIGTERM during validation is acted on at the next training step, and one during
 ``validate``/``test``/``predict`` alone is not (Lightning's evaluation loops do not check the flag either).
+
+[Note: SLURM requeue at a step boundary] Under ``SLURMEnvironment(auto_requeue=True)`` (Lightning's default on
+SLURM) the requeue signal (SIGUSR1, e.g. ``#SBATCH --signal=USR1@90``) makes Lightning's handler save
+``hpc_ckpt_N.ckpt`` from inside the handler and run ``scontrol requeue`` on global rank 0. Under ``smp`` that save is
+collective (a DCP folder written by every rank): from inside a handler it would meet the engine's messages as the
+SIGTERM broadcast did. Here the handler only records the signal; the same per-step agreement (one all-reduce, now of
+two flags) tells every rank in the same training step, and there, before the step runs, every rank calls
+Lightning's own handler: the loggers are finalised, ``hpc_ckpt_N.ckpt`` is saved (a complete DCP folder; Lightning
+resumes from the newest one when the requeued job starts without ``ckpt_path``), and global rank 0 requeues the job
+(``SLURM_JOB_ID``, or ``SLURM_ARRAY_JOB_ID_SLURM_ARRAY_TASK_ID``). Training then goes on until SLURM ends the job:
+its SIGTERM is handled as above.
 
 [Note: Ctrl-C exits in bounded time] On SIGINT Lightning runs ``on_exception``, tears down and exits, but a rank
 whose main thread waits in a collective for a rank that already left only returns when gloo notices. The first
@@ -53,6 +64,7 @@ class Preemption:
 
     def __init__(self) -> None:
         self.pending = False  # a SIGTERM reached this process and is not agreed yet
+        self.requeue_pending = False  # SLURM's requeue signal reached this process and is not agreed yet
         self._launcher: Any = None
         self._previous_sigint: Any = None
 
@@ -62,6 +74,7 @@ class Preemption:
         self._launcher = trainer.strategy.launcher
         connector = trainer._signal_connector
         connector._sigterm_notifier_fn = self._notify_sigterm  # Lightning composes its handler from this attribute
+        connector._slurm_sigusr_handler_fn = self._notify_requeue  # and its requeue handler (auto_requeue) from this
         if threading.current_thread() is threading.main_thread() and self._previous_sigint is None:
             if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
                 self._previous_sigint = signal.signal(signal.SIGINT, self._interrupt)
@@ -73,14 +86,20 @@ class Preemption:
             self._previous_sigint = None
 
     def agree(self, trainer: Any, device: torch.device) -> None:
-        """Whether any rank received SIGTERM, agreed by every rank at the start of the same step: on agreement
+        """Whether any rank received SIGTERM or SLURM's requeue signal, agreed by every rank at the start of the same
+        step: on a requeue every rank saves the hpc checkpoint and rank 0 requeues, now; on SIGTERM
         ``trainer.received_sigterm`` becomes ``True`` on every rank (Lightning stops after this step). A collective
-        over the world group: every rank calls it from the same training step (see the Note)."""
+        over the world group: every rank calls it from the same training step (see the Notes)."""
         if trainer.received_sigterm or not (dist.is_available() and dist.is_initialized()):
             return
-        flag = torch.tensor([1 if self.pending else 0], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item():
+        flags = torch.tensor([self.pending, self.requeue_pending], dtype=torch.int32, device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        sigterm, requeue = flags.tolist()
+        if requeue:  # see [Note: SLURM requeue at a step boundary]
+            self.requeue_pending = False
+            rank_zero_info("lightning_mp: SLURM's requeue signal received; every rank saves an hpc checkpoint now.")
+            type(trainer._signal_connector)._slurm_sigusr_handler_fn(trainer._signal_connector, signal.SIGUSR1, None)
+        if sigterm:
             self.pending = False  # agreed (a SIGTERM between two Trainer runs stays pending for the next one)
             trainer._signal_connector.received_sigterm = True
             rank_zero_info("lightning_mp: SIGTERM received; every rank stops after this step (SIGTERMException).")
@@ -90,6 +109,11 @@ class Preemption:
         if not self.pending and self._launcher is not None:
             self._launcher.kill(signum)  # the ranks this process started, as Lightning's notifier does
         self.pending = True
+
+    def _notify_requeue(self, signum: int, _: FrameType | None) -> None:
+        rank = int(os.environ.get("LOCAL_RANK", 0))
+        log.info(rank_prefixed_message(f"Received SLURM's requeue signal: {signum}", rank))
+        self.requeue_pending = True
 
     def _interrupt(self, signum: int, frame: FrameType | None) -> None:
         timer = threading.Timer(INTERRUPT_GRACE_S, _exit_now, args=(self._launcher,))

@@ -35,12 +35,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from lightning_mp.strategy._roll_call import naming_failed_ranks
 
 __all__ = ["GradientReducer", "naming_peers"]
 
@@ -232,30 +234,15 @@ class GradientReducer:
         self._launched = index + 1
 
 
-@contextlib.contextmanager
-def naming_peers(what: str, group: dist.ProcessGroup) -> Iterator[None]:
-    """Re-raise a collective over ``group`` that failed as an error naming the global ranks it waited for.
-
-    gloo says "Connection closed by peer [127.0.0.1]:port" when a peer died and "Timed out waiting ... for recv"
-    when one stopped answering, without a rank; the peer's own log (if it could write one) says what it was doing.
+def naming_peers(what: str, group: dist.ProcessGroup) -> contextlib.AbstractContextManager[None]:
+    """Re-raise a collective over ``group`` that failed as an error naming the global ranks that died or stopped
+    answering, found by a roll call (see [Note: roll call after a failed collective] in ``_roll_call.py``).
 
     Raises:
-        RuntimeError: ``what`` over ``group`` failed on this rank, naming the other ranks of ``group``, from the
-            backend's error.
+        RankFailedError: ``what`` over ``group`` failed on this rank, naming the ranks of ``group`` that did not
+            answer (every other rank of ``group`` where the process answers no roll calls), from the backend's error.
     """
-    try:
-        yield
-    except RuntimeError as err:  # DistBackendError / DistNetworkError are RuntimeErrors
-        ranks = dist.get_process_group_ranks(group)
-        me = dist.get_rank()
-        peers = [rank for rank in ranks if rank != me]
-        who = f"global rank {peers[0]}" if len(peers) == 1 else f"one of global ranks {peers}"
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise RuntimeError(
-            f"{what} over global ranks {ranks} failed on global rank {me}: {who} died or stopped answering"
-            f" ({first_line}). Its own log says what it was doing; a rank that stops answering fails the others"
-            " after `SMPConfig.timeout`."
-        ) from err
+    return naming_failed_ranks(what, dist.get_process_group_ranks(group))
 
 
 def _window_gradient(grad: torch.Tensor | None, previous: torch.Tensor | None) -> torch.Tensor | None:

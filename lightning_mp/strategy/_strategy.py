@@ -50,6 +50,7 @@ from lightning_mp.strategy._fsdp import ShardedStage
 from lightning_mp.strategy._gradients import StepGradients
 from lightning_mp.strategy._prelaunch import check_before_launch
 from lightning_mp.strategy._preemption import Preemption
+from lightning_mp.strategy._roll_call import answer_roll_calls
 from lightning_mp.strategy._replicas import seed_workers_by_replica, share_generators, sync_initial_states
 from lightning_mp.strategy._runner import StepRunner
 from lightning_mp.strategy._runner import steps_optimizer as _steps_optimizer
@@ -259,6 +260,7 @@ class SMPStrategy(ParallelStrategy):
             self.cluster_environment, backend, timeout=self.config.timeout,
             **elastic_store(self.cluster_environment, self.config.timeout),
         )
+        answer_roll_calls()  # failed collectives name the dead ranks: see [Note: roll call after a failed collective]
         if self._engine is None:  # a later fit/validate/test in the same processes keeps groups, plan and placement
             share_generators()  # without a seed, every rank takes rank 0's: see [Note: ranks start alike]
             self._process_groups, self._engine = launch_runtime(

@@ -9,6 +9,9 @@ restarts.
   once every rank wrote ``OUT_DIR/ready_RANK`` (after step 3). Each rank writes ``OUT_DIR/counts_RANK.json``:
   threads, open files and child processes after the first ``fit`` and after the second (``how`` it ended), the
   names of the threads alive then, and when (``time.time()``).
+* ``slurm``: one ``fit`` to ``MAX_STEPS`` without ``ckpt_path``, started by a test as ``srun`` starts ranks (SLURM's
+  variables, one process per rank): Lightning's ``SLURMEnvironment(auto_requeue=True)`` saves ``hpc_ckpt_N.ckpt``
+  in ``OUT_DIR`` on SLURM's requeue signal and resumes from the newest one when the job starts again.
 * ``resume``: ``fit`` to ``MAX_STEPS`` with ``ckpt_path="last"`` (from scratch when there is none yet). With the
   environment variable ``KILL_RANK1_AT=k``, global rank 1 kills itself (SIGKILL) after step ``k`` of the first
   attempt (``TORCHELASTIC_RESTART_COUNT`` unset or ``0``).
@@ -70,14 +73,14 @@ def main() -> None:
     torch.manual_seed(0)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=lightning_mp.SMPStrategy(pipeline_parallel_degree=2, microbatches=2),
-        max_steps=2 if mode == "signal" else max_steps, logger=False, enable_progress_bar=False,
+        max_steps=2 if mode == "signal" else max_steps, logger=False, enable_progress_bar=False, default_root_dir=out,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
         callbacks=[Beacon(out, kill_at), ModelCheckpoint(dirpath=str(out / "ckpt"), save_last=True, every_n_train_steps=1),
                    OnExceptionCheckpoint(dirpath=str(out / "ckpt"))],
     )
     model = _GPT()
-    if mode == "resume":
-        trainer.fit(model, ckpt_path="last")
+    if mode in ("resume", "slurm"):
+        trainer.fit(model, ckpt_path="last" if mode == "resume" else None)
         return
     rank = int(os.environ.get("LOCAL_RANK", 0))
     trainer.fit(model)

@@ -140,3 +140,64 @@ def test_torchrun_restarts_a_killed_rank_and_resumes_from_last(tmp_path):
         assert resumed["params"], f"rank {rank} holds parameters"
         for name, value in resumed["params"].items():
             torch.testing.assert_close(value, whole["state"][name], rtol=1e-5, atol=1e-5, msg=f"rank {rank} {name}")
+
+
+def _srun(out: Path, max_steps: int, port: int) -> list[subprocess.Popen]:
+    """Both ranks of a pp2 run as ``srun`` starts them (SLURM's variables, one process each), with a fake
+    ``scontrol`` on ``PATH`` that records its arguments in ``out/scontrol.txt``."""
+    fake = out / "bin" / "scontrol"
+    fake.parent.mkdir(parents=True, exist_ok=True)
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {out / "scontrol.txt"}\n')
+    fake.chmod(0o755)
+    slurm = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NODEID": "0", "SLURM_JOB_ID": "4242",
+             "SLURM_JOB_NAME": "smp-requeue", "SLURM_NODELIST": "127.0.0.1", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port), "PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}"}
+    return [_start([sys.executable, SCRIPT, str(out), str(max_steps), "slurm"], out / f"rank{rank}",
+                   SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), **slurm) for rank in range(2)]
+
+
+def test_slurm_requeue_saves_an_hpc_checkpoint_at_a_step_boundary_and_resumes_from_it(tmp_path):
+    """SIGUSR1 (SLURM's requeue signal) to rank 1 alone (SLURM signals every task, but not at the same point of
+    their steps; one rank is the limit): both save ``hpc_ckpt_1.ckpt`` together (a complete DCP folder) and global
+    rank 0 alone requeues; the job then ends on SLURM's SIGTERM; started again, it resumes from there. Before, rank 1
+    saved from inside its signal handler alone and the job hung."""
+    ranks = _srun(tmp_path, 100000, _free_port())
+    try:
+        deadline = time.monotonic() + 240
+        while not all((tmp_path / f"ready_{rank}").exists() for rank in range(2)):
+            assert all(r.poll() is None for r in ranks) and time.monotonic() < deadline, _log(tmp_path / "rank0")
+            time.sleep(0.1)
+        os.kill(ranks[1].pid, signal.SIGUSR1)
+        hpc = tmp_path / "hpc_ckpt_1.ckpt"
+        while not (is_complete_checkpoint(hpc) and (tmp_path / "scontrol.txt").exists()):
+            assert all(r.poll() is None for r in ranks) and time.monotonic() < deadline, _log(tmp_path / "rank1")
+            time.sleep(0.1)
+        for rank in ranks:
+            os.kill(rank.pid, signal.SIGTERM)  # what `scontrol requeue` does to the running job
+        assert [r.wait(timeout=120) for r in ranks] == [0, 0], _log(tmp_path / "rank0") + _log(tmp_path / "rank1")
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+                rank.wait()
+    assert (tmp_path / "scontrol.txt").read_text() == "requeue 4242\n"  # once, from global rank 0
+    saved_at = torch.load(hpc / "meta.pt", weights_only=False)["global_step"]
+    requeued = _srun(tmp_path, saved_at + 1, _free_port())
+    try:
+        assert [r.wait(timeout=240) for r in requeued] == [0, 0], _log(tmp_path / "rank0") + _log(tmp_path / "rank1")
+    finally:
+        for rank in requeued:
+            if rank.poll() is None:
+                rank.kill()
+                rank.wait()
+    for rank in range(2):
+        final = torch.load(tmp_path / f"final_{rank}.pt", weights_only=True)
+        assert (final["started_at"], final["step"]) == (saved_at, saved_at + 1), final
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

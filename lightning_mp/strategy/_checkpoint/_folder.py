@@ -28,6 +28,7 @@ from lightning_mp.strategy._checkpoint._state import (
     optimizer_state_dict,
     set_flat_optimizer_state,
 )
+from lightning_mp.strategy._roll_call import naming_failed_ranks
 from lightning_mp.strategy._tied import rename_flat_key
 
 __all__ = [
@@ -107,6 +108,7 @@ def remove_checkpoint(path: Path) -> None:
     _remove(path)
 
 
+@naming_failed_ranks("a checkpoint save")  # a rank lost inside DCP's collectives is named: see _roll_call.py
 def save_checkpoint(
     checkpoint: dict[str, Any], path: Path, is_global_zero: bool, names: Mapping[str, str] | None = None,
     model: nn.Module | None = None,
@@ -199,6 +201,7 @@ def _check_against(
     return {k: v for k, v in request.items() if k not in drop}
 
 
+@naming_failed_ranks("a checkpoint load")
 def load_checkpoint(
     path: Path, model: nn.Module, optimizers: list[Optimizer], *, strict: bool, weights_only: bool | None,
     names: Mapping[str, str] | None = None,
