@@ -16,6 +16,8 @@ from torch.utils import _pytree as pytree
 if TYPE_CHECKING:
     from lightning_mp.pipeline._handles import RemoteValue
 
+__all__ = ["follow", "owner_path", "walk_containers"]
+
 _REMOTE_TYPES: set[type] = set()  # RemoteValue and the owner's reference to its own output (``_handles.py``)
 
 
