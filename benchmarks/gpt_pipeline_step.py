@@ -170,14 +170,7 @@ def _pipeline_rank(
             _copy_ties_apart(model, stage_of)
             engine = PipelineEngine(transport, 2, schedule=schedule, remote_handles=handles)
             engine.install(model, stage_of)
-            calls = [0]
-
-            def counted(*args, call_remote=engine.call_remote, calls=calls, **kwargs):
-                calls[0] += 1
-                return call_remote(*args, **kwargs)
-
-            engine.call_remote = counted
-            variants[handles] = (model, engine, calls, {"times": [], "busy": [], "switches": [], "faults": [], "cpu": [], "busy_cpu": []})
+            variants[handles] = (model, engine, {"times": [], "busy": [], "switches": [], "faults": [], "cpu": [], "busy_cpu": []})
         reference_model = _model()
         reference = {"times": [], "switches": [], "faults": [], "cpu": []}
         for _ in range(steps):
@@ -191,7 +184,7 @@ def _pipeline_rank(
             reference["switches"].append(after.ru_nvcsw + after.ru_nivcsw - usage.ru_nvcsw - usage.ru_nivcsw)
             reference["faults"].append(after.ru_minflt - usage.ru_minflt)
             reference["cpu"].append(_cpu_s(after) - _cpu_s(usage))
-            for handles, (model, engine, calls, result) in variants.items():
+            for handles, (model, engine, result) in variants.items():
                 dist.barrier()
                 usage = resource.getrusage(resource.RUSAGE_SELF)
                 start = time.perf_counter()
@@ -215,11 +208,12 @@ def _pipeline_rank(
                 events = engine.timeline.stop()
                 result["busy"].append(sum(e.duration_s for e in events if e.category in ("forward", "backward")))
         out = {}
-        for handles, (model, engine, calls, result) in variants.items():
+        for handles, (model, engine, result) in variants.items():
             sent = engine.messages_sent
             trips = ((sent["get"] + sent["fwd"]) / steps / microbatches, (sent["gbwd"] + sent["bwd"]) / steps / microbatches)
             kib = sum(engine.bytes_sent.values()) / 1024 / steps / microbatches
-            out[handles] = {**result, "calls": calls[0] / steps, "trips": trips, "kib": kib}
+            calls = (sent["call"] + sent["fwd"]) / steps  # one-way calls and calls that wait for their outputs
+            out[handles] = {**result, "calls": calls, "trips": trips, "kib": kib}
         out["reference"] = reference
         torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
     finally:

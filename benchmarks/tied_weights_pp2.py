@@ -10,7 +10,7 @@ validation and no checkpoint, and times the steps after the first 10 on global r
 the config's callbacks). Under ``colocate`` the head runs on stage 0 with the embedding: each microbatch's hidden
 state ``(B, T, C)`` goes 0 -> 1 -> 0. Under ``replicate`` the head runs on stage 1 with a copy of the weight, and so
 does the loss (``F.cross_entropy`` on the head's output runs where it is: [Note: the loss where the logits are] in
-``pipeline/_handles.py``), so only the scalar loss comes back: the hidden state goes 0 -> 1 only, at the price of a
+``pipeline/_recorded.py``), so only the scalar loss comes back: the hidden state goes 0 -> 1 only, at the price of a
 metadata round trip (``logits.size(-1)``) per microbatch and an all-reduce of the copy's gradient per step. (Before
 the loss moved, the logits ``(B, T, V)``, V = 256 = 2C, came back to stage 0.)
 Prints a table of per-round steps/s and the ratio replicate / colocate (only the ratio means anything: the machine

@@ -18,7 +18,8 @@ import torch
 
 from lightning_mp.comm import connect_remote_outputs, pack
 from lightning_mp.pipeline._core import SessionCore
-from lightning_mp.pipeline._handles import RemoteValue, _PackingFor, owner_path
+from lightning_mp.pipeline._handles import RemoteValue, _PackingFor
+from lightning_mp.pipeline._recorded import owner_path
 from lightning_mp.pipeline._install import Placement
 from lightning_mp.pipeline._messages import (
     BackwardRequest,
@@ -144,6 +145,7 @@ class Caller:
         self.core.send(packed, stage, task.microbatch, kind=Kind.CALL)
         handle = RemoteValue(self, stage, call_id, task.microbatch, upstream=upstream, label=request.label)
         handle._rv_grad_enabled = request.grad_enabled
+        handle._rv_tensor_known = self.placement.returns_tensor(request.fqn, request.span)
         return handle
 
     def check_reference(self, handle: RemoteValue) -> None:

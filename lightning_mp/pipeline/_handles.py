@@ -36,15 +36,34 @@ it inspects.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
+import sys
 import threading
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
-__all__ = ["RemoteValue", "materialize", "owner_path"]
+from lightning_mp.pipeline._recorded import (
+    _META_ATTRIBUTES,
+    _META_METHODS,
+    _OWNER_FUNCTIONS,
+    _REMOTE_TYPES,
+    _SMALL_ARGUMENTS_NBYTES,
+    _SELF,
+    _VIEW_METHODS,
+    _autocast_on,
+    _fetch_metadata,
+    _is_remote,
+    _Op,
+    _plain_index,
+    _RecordedMethod,
+    _step,
+    owner_path,
+)
+
+__all__ = ["RemoteValue", "materialize"]
 
 _packing = threading.local()  # set while a request is packed for one stage: which handles may go as references
 
@@ -80,35 +99,6 @@ def _identity(value: Any) -> Any:
     return value
 
 
-def _step(value: Any, key: Any) -> Any:
-    """Caller side: one key of a handle's path applied to a value held here (an index, or a recorded op)."""
-    return key.apply(value, None) if type(key) is _Op else value[key]
-
-
-def follow(root: Any, path: tuple) -> Any:
-    """Owner side: ``root`` (an output of this stage) with every key of ``path`` (owner form) applied."""
-    value = root
-    for key in path:
-        value = key.apply(value, root) if type(key) is _Op else value[key]
-    return value
-
-
-def walk_containers(value: Any, path: tuple) -> tuple[int, Any]:
-    """Owner side of a fetch of ``value[path[0]][path[1]]...`` (owner form): apply recorded ops, index only into
-    tuples, lists and dicts (incl. Hugging Face's ``ModelOutput``); return ``(how many keys were used, the value
-    reached)``. The caller indexes the rest itself, so a part of a tensor or of any other object is a view of, or a
-    reference into, the whole, as in eager code (``c = y[0]`` is a view of ``y``)."""
-    root = value
-    for depth, key in enumerate(path):
-        if type(key) is _Op:
-            value = key.apply(value, root)
-            continue
-        if not isinstance(value, (tuple, list, dict)):
-            return depth, value
-        value = value[key]
-    return len(path), value
-
-
 def _replace(value: Any, key: Any, part: Any) -> Any:
     """``value`` with ``value[key]`` being ``part`` (the same object): a new tuple (or named tuple), else in place."""
     if isinstance(value, dict) and isinstance(key, int) and key not in value:  # ModelOutput: ``out[0]`` is a field
@@ -121,134 +111,6 @@ def _replace(value: Any, key: Any, part: Any) -> Any:
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     value[key] = part
     return value
-
-
-# [Note: the loss where the logits are] A causal LM's loss is a few ops on the head's output: ``logits.reshape(-1,
-# logits.size(-1))`` then ``F.cross_entropy(..., labels)`` (Hugging Face: ``.float()``, ``.view(-1, V)``,
-# ``labels.to(logits.device)``, ``F.cross_entropy``). Fetching the logits for them sends ``B x T x V`` values to the
-# caller and their gradient back, every microbatch. So a handle *records* such ops instead of fetching:
-#
-# - shape ops (``reshape``, ``view``, ``flatten``, ``float``, ``contiguous``, ``transpose``, ``permute``,
-#   ``squeeze``, ``unsqueeze``, indexing with slices) and the functions of ``_OWNER_FUNCTIONS`` (``F``'s losses,
-#   ``log_softmax``; also through ``nn.CrossEntropyLoss`` and the other ``_Loss`` modules, which the fetch pre-hook
-#   leaves alone) return a new handle whose path ends in the op (``_Op``), sending nothing. Recorded only when the
-#   op's other tensor arguments are local, need no gradient and hold at most ``_SMALL_ARGUMENTS_NBYTES`` (labels,
-#   class weights), any other handle among them is a part of the same output, no part of the output has been
-#   fetched yet, and no autocast or inference mode is on (the owner would not see them); otherwise the handle
-#   fetches, as before. The functions are deterministic and draw no random numbers, so where they run does not
-#   change a bit of their result.
-# - metadata (``size()``, ``shape``, ``dim()``, ``numel()``, ``dtype``, ``device``, ``ndim``) comes back as a real
-#   value at once through a fetch of just that value (one small round trip; the owner's output stays there).
-# - fetching a handle whose path ends in a function op (the loss) asks the owner to apply the whole path and sends
-#   back only the result (a scalar), connected to autograd like any fetch: its backward sends one scalar gradient
-#   to the owner, which runs backward through the loss, the head and the chain of calls before it. A handle whose
-#   path ends in a shape op, fetched itself, fetches the output and applies its ops here (so it is a view of the
-#   fetched output, as in eager code). A recorded op passed to a call on the owner goes as a reference: the owner
-#   applies it to its own output (``lm_head(hidden[:, -k:, :])`` sends no hidden states).
-#
-# The owner applies a recorded op when its result is fetched or referenced, not when the caller recorded it: the
-# same result unless a call made in between changed the output in place on the owner (a module doing ``x.relu_()``
-# on its input after the loss was taken from it, in one microbatch): then the loss sees the change.
-
-_SMALL_ARGUMENTS_NBYTES = 1 << 20  # local tensors an op may carry to the owner (labels); larger ones: fetch instead
-_VIEW_METHODS = frozenset((
-    "reshape", "view", "flatten", "float", "contiguous", "transpose", "permute", "squeeze", "unsqueeze",
-))
-_META_METHODS = frozenset(("size", "dim", "numel"))
-_META_ATTRIBUTES = frozenset(("shape", "dtype", "device", "ndim"))
-_OWNER_FUNCTIONS = frozenset((
-    F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.binary_cross_entropy,
-    F.binary_cross_entropy_with_logits, F.kl_div, F.log_softmax,
-))
-
-
-class _SelfValue:
-    """In a recorded function's arguments: the value the op is applied to."""
-
-    def __reduce__(self) -> str:
-        return "_SELF"
-
-
-_SELF = _SelfValue()
-
-
-class _PathArg:
-    """In an op's arguments (owner form): another part of the same output, named by its path from the output."""
-
-    def __init__(self, path: tuple) -> None:
-        self.path = path
-
-
-class _Op:
-    """One operation recorded on a handle, a key of its path (see [Note: the loss where the logits are]).
-
-    ``kind``: ``"view"`` (a shape method), ``"getitem"``, ``"meta"`` / ``"meta_attr"`` (metadata), or
-    ``"function"`` (``target`` called with ``_SELF`` standing for the value). Caller form: other handles among
-    the arguments are ``RemoteValue``s; owner form (``owner``): ``_PathArg``s.
-    """
-
-    __slots__ = ("kind", "target", "args", "kwargs", "grad_enabled")
-
-    def __init__(self, kind: str, target: Any, args: tuple, kwargs: dict, grad_enabled: bool) -> None:
-        self.kind, self.target, self.args, self.kwargs, self.grad_enabled = kind, target, args, kwargs, grad_enabled
-
-    def __reduce__(self) -> Any:
-        return (_Op, (self.kind, self.target, self.args, self.kwargs, self.grad_enabled))
-
-    def owner(self) -> _Op:
-        def convert(v: Any) -> Any:
-            return _PathArg(owner_path(v._rv_path)) if _is_remote(v) else v
-
-        args, kwargs = pytree.tree_map(convert, (self.args, self.kwargs), is_leaf=_is_remote)
-        return _Op(self.kind, self.target, args, kwargs, self.grad_enabled)
-
-    def apply(self, value: Any, root: Any) -> Any:
-        """The op on ``value``; ``root``: the owner's whole output (owner form), ``None`` here (caller form)."""
-
-        def resolve_arg(v: Any) -> Any:
-            if type(v) is _PathArg:
-                return follow(root, v.path)
-            if type(v) is _SelfValue:
-                return value
-            return v._rv_materialize() if _is_remote(v) else v
-
-        args, kwargs = pytree.tree_map(resolve_arg, (self.args, self.kwargs),
-                                       is_leaf=lambda v: _is_remote(v) or type(v) in (_PathArg, _SelfValue))
-        with torch.set_grad_enabled(self.grad_enabled):
-            if self.kind == "function":
-                return self.target(*args, **kwargs)
-            if self.kind == "getitem":
-                return value[args[0]]
-            if self.kind == "meta_attr":
-                return getattr(value, self.target)
-            return getattr(value, self.target)(*args, **kwargs)
-
-
-def owner_path(path: tuple) -> tuple:
-    """``path`` as sent to the owner: recorded ops in owner form."""
-    return tuple(key.owner() if type(key) is _Op else key for key in path)
-
-
-def _autocast_on() -> bool:
-    return any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
-
-
-class _RecordedMethod:
-    """``handle.reshape`` and the like: calling it records the op (or fetches, where it may not be recorded)."""
-
-    def __init__(self, handle: RemoteValue, name: str) -> None:
-        self.handle, self.name = handle, name
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        handle = self.handle
-        if not handle._rv_may_record((args, kwargs)):
-            return getattr(handle._rv_materialize(), self.name)(*args, **kwargs)
-        meta = self.name in _META_METHODS
-        child = handle._rv_record(_Op("meta" if meta else "view", self.name, args, kwargs, torch.is_grad_enabled()))
-        return child._rv_materialize() if meta else child
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(getattr(self.handle._rv_materialize(), self.name), name)
 
 
 class RemoteValue:
@@ -284,6 +146,7 @@ class RemoteValue:
         self._rv_op: _Op | None = None
         self._rv_has_op = parent._rv_has_op if parent is not None else False
         self._rv_local = parent._rv_local if parent is not None else False
+        self._rv_tensor_known = False  # the call's module class says its output is a tensor (``Caller.call_async``)
 
     # ---- fetching -------------------------------------------------------------------------------------------
 
@@ -309,6 +172,15 @@ class RemoteValue:
                         value = self._rv_adopt(value)
                 self._rv_value, self._rv_fetched = value, True
         return self._rv_value
+
+    def _rv_is_tensor(self) -> bool:
+        """Is the value a tensor? Known from the module's class, else asked of the owner (one small round trip; the value
+        stays there), unless the value is here."""
+        if type(self) is not RemoteValue or self._rv_fetched or self._rv_touched[0] or self._rv_fetched_above():
+            return isinstance(self._rv_materialize(), torch.Tensor)
+        if self._rv_tensor_known:
+            return True
+        return _fetch_metadata(self, _Op("is_tensor", None, (), {}, torch.is_grad_enabled()))
 
     def _rv_fetched_above(self) -> bool:
         node = self._rv_parent
@@ -392,6 +264,7 @@ class RemoteValue:
         child = RemoteValue(self._rv_session, self._rv_stage, self._rv_call_id, self._rv_microbatch,
                             self._rv_path + (op,), self, self._rv_upstream, self._rv_label)
         child._rv_op, child._rv_has_op, child._rv_local = op, True, op.kind in ("view", "getitem")
+        child._rv_tensor_known = self._rv_tensor_known and child._rv_local  # a tensor's view or slice is one
         return child
 
     # ---- everything else fetches ----------------------------------------------------------------------------
@@ -403,7 +276,7 @@ class RemoteValue:
             if name in _VIEW_METHODS or name in _META_METHODS:
                 return _RecordedMethod(self, name)
             if name in _META_ATTRIBUTES and self._rv_may_record(()):
-                return self._rv_record(_Op("meta_attr", name, (), {}, torch.is_grad_enabled()))._rv_materialize()
+                return _fetch_metadata(self, _Op("meta_attr", name, (), {}, torch.is_grad_enabled()))
         return getattr(self._rv_materialize(), name)
 
     @property  # type: ignore[misc]
@@ -526,11 +399,7 @@ class _Ref(RemoteValue):
         return self._rv_materialize()[key]
 
 
-_REMOTE_TYPES = frozenset((RemoteValue, _Ref))
-
-
-def _is_remote(value: Any) -> bool:
-    return type(value) in _REMOTE_TYPES  # ``type()``, not ``__class__``: that would fetch
+_REMOTE_TYPES.update((RemoteValue, _Ref))
 
 
 def materialize(tree: Any) -> Any:
@@ -541,15 +410,6 @@ def materialize(tree: Any) -> Any:
     if type(tree) in (tuple, list, dict) and not tree:
         return tree
     return pytree.tree_map(lambda v: v._rv_materialize() if _is_remote(v) else v, tree, is_leaf=_is_remote)
-
-
-def _plain_index(key: Any) -> bool:
-    """Whether ``key`` indexes by position only (ints, slices of ints, ``None``, ``...``, tuples of those)."""
-    if type(key) is tuple:
-        return all(_plain_index(k) for k in key)
-    if type(key) is slice:
-        return all(type(b) in (int, type(None)) for b in (key.start, key.stop, key.step))
-    return key is None or key is Ellipsis or type(key) is int
 
 
 def _fetch_module_inputs(module: Any, args: tuple) -> tuple | None:
@@ -599,6 +459,44 @@ def materialize_module_inputs() -> None:
             current = function.__dict__["apply"]
             if not getattr(current.__func__, "_smp_fetches_handles", False):
                 function.apply = _fetching_apply(current.__func__)
+        _keep_handles_in_model_outputs()
+
+
+# [Note: handles in Hugging Face outputs] A Hugging Face model builds a ``ModelOutput`` (a dataclass and a dict) from
+# its last module's output: ``BaseModelOutputWithPast(last_hidden_state=self.norm(hidden))``. Its ``__post_init__``
+# asks ``is_tensor`` of the first field when the others are None (a first field that is a dict or an iterable of
+# (key, value) pairs is unpacked into the fields instead), and ``isinstance`` on a handle fetches it: the final hidden
+# states crossed to the caller every microbatch, and went back by value to the head on the same stage. So when the
+# first field is a handle whose value is a tensor, the wrapper runs ``__post_init__`` on a stand-in tensor and puts
+# the handle back in its place: what eager code does with a tensor, and the handle goes on to the head by reference.
+# Whether it is a tensor (``RemoteValue._rv_is_tensor``) comes from the called module's class where that says so (a
+# final ``nn.LayerNorm``, ``Placement.returns_tensor``), else from the owner (a round trip of a few bytes; a custom
+# norm). Installed with the other hooks when ``transformers`` is imported by then (a Hugging Face model is built
+# before its engine).
+
+
+def _handle_keeping_post_init(original: Any) -> Any:
+    def __post_init__(self: Any) -> None:
+        names = [field.name for field in dataclasses.fields(self)]
+        first = self.__dict__.get(names[0])
+        if (not _is_remote(first) or any(self.__dict__.get(name) is not None for name in names[1:])
+                or not first._rv_is_tensor()):
+            return original(self)
+        self.__dict__[names[0]] = torch.empty(0)  # what ``__post_init__`` reads the first field from
+        original(self)
+        self[names[0]] = first  # sets the item and the attribute, as ``__post_init__`` does for a tensor
+
+    __post_init__._smp_keeps_handles = True  # type: ignore[attr-defined]
+    return __post_init__
+
+
+def _keep_handles_in_model_outputs() -> None:
+    """Wrap ``transformers``' ``ModelOutput.__post_init__`` (once) if it is imported: [Note: handles in Hugging Face
+    outputs]."""
+    generic = sys.modules.get("transformers.utils.generic")
+    output_class = getattr(generic, "ModelOutput", None)
+    if output_class is not None and not getattr(output_class.__post_init__, "_smp_keeps_handles", False):
+        output_class.__post_init__ = _handle_keeping_post_init(output_class.__post_init__)
 
 
 def resolve(tree: Any, refs: list[_Ref], resolver: Any) -> Any:

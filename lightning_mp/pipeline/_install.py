@@ -147,6 +147,18 @@ class Placement:
         prefix = f"{fqn}." if fqn else ""
         return any(self._subtree_stages.get(prefix + name, set()) - {stage} for name in names)
 
+    def returns_tensor(self, fqn: str, span: tuple[int, int] | None) -> bool:
+        """Does a call of ``fqn`` (its children ``span``) return one tensor, as its class says (no hook may change it)?
+
+        ``True`` only for the ``torch.nn`` classes of ``_TENSOR_CLASSES``: a handle to such an output knows that its
+        value is a tensor without asking the owner ([Note: handles in Hugging Face outputs] in ``_handles.py``).
+        """
+        module = self._modules[fqn]
+        if span is not None:
+            module = list(module)[span[1] - 1]
+        cls = _ORIGINAL_CLASSES.get(type(module), type(module))
+        return cls in _TENSOR_CLASSES and not module._forward_hooks and not _global_forward_hooks()
+
     def run(self, request: CallRequest, args: tuple, kwargs: dict, context: Callable[[], AbstractContextManager]) -> Any:
         """Run the requested module (or the ``span`` of a Sequential's children) here on ``args``/``kwargs``.
 
@@ -278,6 +290,20 @@ class _CallHooks:
 
 
 _REMOTE_CLASSES: dict[type, type] = {}
+_ORIGINAL_CLASSES: dict[type, type] = {}  # the other way round
+_TENSOR_CLASSES = frozenset(  # modules with parameters whose forward returns one tensor
+    getattr(nn, name)
+    for name in (
+        "Linear", "Bilinear", "Embedding", "LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm1d", "BatchNorm2d",
+        "BatchNorm3d", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "PReLU",
+    )
+)
+
+
+def _global_forward_hooks() -> bool:
+    from torch.nn.modules import module as torch_module
+
+    return bool(torch_module._global_forward_hooks)
 
 
 def _remote_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -298,6 +324,7 @@ def _release_and_stub(module: nn.Module, fqn: str, stage: int, call_remote: Call
     cls = type(module)
     if cls not in _REMOTE_CLASSES:
         _REMOTE_CLASSES[cls] = type(f"Remote{cls.__name__}", (cls,), {"__call__": _remote_call, "__module__": cls.__module__})
+        _ORIGINAL_CLASSES[_REMOTE_CLASSES[cls]] = cls
     module.__class__ = _REMOTE_CLASSES[cls]
     module._smp_remote = (fqn, stage, call_remote)
     module.forward = MethodType(_remote_call, module)

@@ -19,7 +19,8 @@ import torch
 
 from lightning_mp.comm import Message, pack, ragged_like
 from lightning_mp.pipeline._core import SessionCore
-from lightning_mp.pipeline._handles import _Op, _PackingFor, follow, resolve, walk_containers
+from lightning_mp.pipeline._handles import _PackingFor, resolve
+from lightning_mp.pipeline._recorded import _Op, follow, walk_containers
 from lightning_mp.pipeline._zero_bubble import run_backward
 from lightning_mp.pipeline._messages import (
     CallId,

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.utils.checkpoint as checkpoint
 from torch import nn
+from transformers.modeling_outputs import BaseModelOutput
 
 from lightning_mp.pipeline import PipelineEngine, PipelineError, split_microbatches
 from tests._dist import make_transport, run_distributed
@@ -192,12 +193,32 @@ def row_changed_then_whole_used(m: Model, x: torch.Tensor) -> torch.Tensor:
     return m.out(y * 1.0).mean()
 
 
+def metadata_of_a_tuple(m: Model, x: torch.Tensor) -> torch.Tensor:
+    """``hasattr`` of tensor metadata on a handle to a tuple is False, as on the tuple (the owner's AttributeError
+    comes back as one, not as a failed step); the tuple then goes back to its owner by reference."""
+    pair = m.pair(m.inp(x))
+    assert not hasattr(pair, "shape") and not hasattr(pair, "dtype") and hasattr(pair[0], "shape")
+    with pytest.raises(AttributeError, match="'tuple' object has no attribute 'ndim'"):
+        pair.ndim
+    return m.out(m.pair_sum(pair)).mean()
+
+
+def model_output_of_a_handle(m: Model, x: torch.Tensor) -> torch.Tensor:
+    """A Hugging Face ``ModelOutput`` built on a handle keeps it unfetched ([Note: handles in Hugging Face outputs]:
+    ``Two`` is no torch.nn class, so whether its output is a tensor is asked of its owner), and it goes on to its
+    owner by reference."""
+    out = BaseModelOutput(last_hidden_state=m.two(m.inp(x), x))
+    assert out[0] is out.last_hidden_state and not getattr(out[0], "_rv_fetched", False)
+    return m.out(m.pair_sum((out.last_hidden_state, out[0]))).mean()
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
         dropout_called_twice, batchnorm_called_twice, fetch_after_in_place_call, part_changed_then_whole_by_reference,
         handle_to_function_apply, handle_to_reentrant_checkpoint, handle_to_checkpointed_local_module,
         discarded_call_behind_the_token, row_fetched_then_whole_changed, row_changed_then_whole_used,
+        metadata_of_a_tuple, model_output_of_a_handle,
     )
 }
 

@@ -1,5 +1,5 @@
 """``configs/gpt_pp2.yaml``'s model through ``Trainer.fit`` at pp=2 with its head (a replicated copy of the tied
-embedding) on stage 1: the loss runs there ([Note: the loss where the logits are] in pipeline/_handles.py), so
+embedding) on stage 1: the loss runs there ([Note: the loss where the logits are] in pipeline/_recorded.py), so
 the logits never come back; losses and every parameter after two AdamW steps equal one process."""
 
 from __future__ import annotations
