@@ -9,7 +9,7 @@ Each Lightning hook here is one or two calls into the modules that own the work 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Generator, Mapping
+from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -41,7 +41,7 @@ from lightning_mp.config import SMPConfig, config_fields
 from lightning_mp.init import delay_param_initialization
 from lightning_mp.partition import ModelTrace, PartitionPlan
 from lightning_mp.pipeline import PipelineEngine
-from lightning_mp.strategy import _checkpoint, _saving
+from lightning_mp.strategy import _checkpoint
 from lightning_mp.strategy._delayed import is_delayed, kept_on_meta
 from lightning_mp.strategy._exit import release_at_exit
 from lightning_mp.strategy._launch import elastic_store, make_launcher, prepare_process
@@ -54,12 +54,12 @@ from lightning_mp.strategy._roll_call import answer_roll_calls
 from lightning_mp.strategy._replicas import seed_workers_by_replica, share_generators, sync_initial_states
 from lightning_mp.strategy._runner import StepRunner
 from lightning_mp.strategy._runner import steps_optimizer as _steps_optimizer
-from lightning_mp.strategy._saving import unwrap_optimizer as _unwrap
+from lightning_mp.strategy._saving import CheckpointHooks
 from lightning_mp.strategy._stages import check_supported, choose_plan, install_stage, launch_runtime
 from lightning_mp.strategy._summary import whole_model_views
 from lightning_mp.strategy._tied import TiedWeights, original_names
 from lightning_mp.strategy._transport import check_data_plane
-from lightning_mp.strategy._zero import local_optimizer, shard_optimizers
+from lightning_mp.strategy._zero import shard_optimizers
 from lightning_mp.topology import MeshAxis, ProcessGroups, Topology
 from lightning_mp.tp import ParallelGroups
 
@@ -73,7 +73,7 @@ T = TypeVar("T")
 _AFTER_LAUNCH = "after the processes are launched; call `trainer.fit` first."
 
 
-class SMPStrategy(ParallelStrategy):
+class SMPStrategy(CheckpointHooks, ParallelStrategy):
     """Model parallelism after the SageMaker model parallelism library (Karakus et al., 2021), for Lightning.
 
     The model is split automatically into ``pipeline_parallel_degree`` stages (paper section 3.1) and run by a
@@ -448,46 +448,6 @@ class SMPStrategy(ParallelStrategy):
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return _checkpoint.model_state_dict(self.model)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return _checkpoint.optimizer_state_dict(self.model, local_optimizer(_unwrap(optimizer)))
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """A DCP folder or one full file, as ``save_distributed_checkpoint`` says (see ``_saving.py``)."""
-        _saving.save(
-            checkpoint, Path(self.broadcast(str(filepath))), distributed=self.config.save_distributed_checkpoint,
-            plan=self.partition_plan, topology=self.topology, mesh=self.device_mesh, module=self.lightning_module,
-            model=self.model, optimizers=self.optimizers, param_order=self._param_order, names=self._param_names,
-            checkpoint_io=self.checkpoint_io, is_global_zero=self.is_global_zero, storage_options=storage_options,
-        )
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:  # its name goes in one rename (see [Note: checkpoint commit] in _checkpoint/_folder.py)
-            _checkpoint.remove_checkpoint(Path(filepath))
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Model and optimizer state of any saved layout, loaded here (see ``_saving.py``); the rest returned."""
-        return _saving.load(
-            Path(self.broadcast(str(checkpoint_path))), mesh=self.device_mesh, model=self.model,
-            optimizers=self.optimizers, param_order=self._param_order, names=self._param_names,
-            strict=self.lightning_module.strict_loading, weights_only=weights_only,
-        )
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        pass  # loaded in `load_checkpoint`
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        pass  # loaded in `load_checkpoint`
 
     @override
     def teardown(self) -> None:
