@@ -276,13 +276,18 @@ class ShardedStage:
             for group in state._fsdp_param_groups:
                 group.reshard()
 
+    def end_step(self) -> None:
+        """After a training batch: per unit, free the root (FSDP's backward reduce-scattered its gradients too), so
+        that Lightning's hooks, clipping and the optimizer see the shards and their gradients on every batch."""
+        if self.per_unit:
+            self.reshard()
+
     def reduce_scatter(self) -> None:
         """Reduce-scatter every unit's accumulated gradients into the shards' ``.grad`` (averaged over ``dp``; HSDP
         all-reduces across replicas too) and free the gathered parameters: once per optimizer step, as
         ``perform_reduce_grad`` of torch's pipelining stages. A parameter without gradient contributes zeros if any
-        rank has one. Per unit, FSDP's backward reduce-scattered already: only the root is freed."""
+        rank has one. Per unit, a no-op: FSDP's backward reduce-scattered already, and ``end_step`` freed the root."""
         if self.per_unit:
-            self.reshard()
             return
         root = self.root
         root.set_is_last_backward(True)

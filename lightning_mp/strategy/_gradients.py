@@ -156,6 +156,8 @@ class StepGradients:
                 self.reducer.flush()
         finally:
             self._stash.end()
+            if self._sharded is not None:
+                self._sharded.end_step()
         if summary is not None and summary.num_tokens:  # see [Note: token-weighted losses]
             self._stash.scale(1.0 / summary.num_tokens)
 
