@@ -30,6 +30,28 @@ and gradients during the step (the sharded layout's saving holds between steps: 
 An evaluation loop gathers once at its start and reshards at its end (:meth:`ShardedStage.start_evaluation`), not
 per batch: no evaluation batch runs a collective, so replicas with different numbers of batches cannot hang.
 
+*Per unit* (``SMPConfig.reshard_after_forward``: ``"always"``, and ``"default"`` at pp=1, as torchtitan's
+``reshard_after_forward_policy``; a string like our other policies, since the third value, ``"default"``, depends
+on pp). Without a pipeline the engine runs the microbatches one after the other in the calling thread, forward
+then backward, the one thread FSDP's hooks expect, and every peer in the same order; so the units keep FSDP's own
+hooks (``fully_shard(unit, reshard_after_forward=True)``) rather than our calls around each unit: they already
+handle what a hand-made version would have to redo (checkpointed forwards replayed in backward, the pre-backward
+gather registered on the unit's outputs, backward prefetch). A unit is gathered before its forward and freed after
+it, gathered again before its backward, and its gradients are reduce-scattered (and freed with its parameters)
+right after it, every microbatch, as FSDP runs natively. The root's hooks never run (the engine calls
+``training_step``, not ``forward``), so the root (embeddings, head: what no unit holds) is gathered at the batch's
+start (:meth:`ShardedStage.gather`), kept through its microbatches (``reshard_after_backward=False``), and FSDP's
+end-of-backward callback reduce-scatters its gradients each microbatch; :meth:`ShardedStage.end_step` frees it after
+the batch. Accumulation: gradients are reduce-scattered per microbatch and summed in the shards' ``.grad`` (as
+FSDP2 does with gradient sync on), not held whole until the window's end (``set_requires_gradient_sync(False)``,
+whose whole gradients would undo the saving); the gradient stash holds the shards (:meth:`ShardedStage.
+step_parameters`), so Lightning's ``zero_grad`` on a window's first batch does not drop them and a token-weighted
+batch divides them by its count; clipping sums the shards' squares as above. Cost per batch of M microbatches and U
+units: 2MU + 1 all-gathers and M(U + 1) reduce-scatters, against U + 1 of each per step (``"never"``); peak: the
+root and one or two units whole instead of the stage (``benchmarks/memory.py``). At pp > 1 ``"always"`` is refused
+(``SMPConfig``): a stage runs microbatches on engine threads and serves other stages' calls in an order that can
+differ between sdp peers, and per-unit collectives entered in different orders hang or mix units.
+
 *Delayed initialisation* (torchtitan's order: ``fully_shard`` on the meta model, then materialise): a stage built on
 meta is wrapped first (:func:`wrap_stage`: its parameters become meta DTensor shards), and the init record's replay
 then keeps, of each tensor it makes, only this rank's piece (:func:`~lightning_mp.init.materialize_module` on a
