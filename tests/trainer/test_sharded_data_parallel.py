@@ -124,13 +124,15 @@ def test_fit_matches_one_process(tmp_path, pp, dp, sdp, kwargs, trainer_kwargs):
 
 @pytest.mark.parametrize("reshard_after_forward", ["always", "never"])
 def test_reshard_after_forward_at_pp1_matches_one_process(tmp_path, reshard_after_forward):
-    """sdp2 at pp=1, 2 microbatches, windows of 2 batches, clipping: ``"always"`` (each block gathered for its
-    forward and again for its backward, reduce-scattered after it, every microbatch) and ``"never"`` (every unit
-    once per window) against one process, every parameter and loss; the collectives each batch ran, counted."""
+    """sdp2 at pp=1, 2 microbatches, windows of 2 batches, clipping, checkpointed blocks: ``"always"`` (each block
+    gathered for its forward and again for its backward, where its forward is replayed, reduce-scattered after it,
+    every microbatch) and ``"never"`` (every unit once per window) against one process, every parameter and loss;
+    the collectives each batch ran, counted."""
     options = {**CLIP, "accumulate_grad_batches": 2}
     reference = _fit_lm(str(tmp_path / "ref"), None, 1, options)[0]
     strategy = _sdp(1, 2, reshard_after_forward=reshard_after_forward)
-    results = _fit_lm(str(tmp_path / "smp"), strategy, 2, options)
+    checkpointing = (lightning_mp.ActivationCheckpointing(["net.blocks.*"]),)
+    results = _fit_lm(str(tmp_path / "smp"), strategy, 2, {**options, "callbacks_extra": checkpointing})
     _assert_matches(results, reference, 1, 2, per_unit=reshard_after_forward == "always")
 
 
