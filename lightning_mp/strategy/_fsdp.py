@@ -186,11 +186,11 @@ def check_fsdp_api() -> None:
             FSDPState: ("_lazy_init", "_root_post_backward_final_callback"),
             FSDPParamGroup: ("lazy_init", "unshard", "wait_for_unshard", "reshard", "post_backward", "is_unsharded"),
             FSDPModule: ("set_is_last_backward", "set_reshard_after_backward", "set_requires_gradient_sync",
-                         "set_reduce_scatter_unused_params"),
+                         "set_reduce_scatter_unused_params", "set_reshard_after_forward"),
             DeviceMesh: ("_unflatten",),
         }
         missing += [f"{cls.__name__}.{name}" for cls, names in wanted.items() for name in names if not hasattr(cls, name)]
-        missing += [f"FSDPState().{name}" for name in ("_fsdp_param_groups", "_state_ctx") if not hasattr(state, name)]
+        missing += [f"FSDPState().{name}" for name in ("_fsdp_param_groups", "_state_ctx", "_comm_ctx") if not hasattr(state, name)]
     if missing:
         raise ValueError(
             f"sharded_data_parallel_degree > 1 drives FSDP2 internals that torch {torch.__version__} lacks: "

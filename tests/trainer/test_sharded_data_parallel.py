@@ -95,7 +95,8 @@ def _assert_per_unit_collectives(per_batch: list[dict[str, int]], blocks: int) -
     and again for its backward, and each block and the root are reduce-scattered; the root (what no block holds) is
     all-gathered once per batch."""
     microbatches = 2
-    expected = {"all_gather_single": 2 * microbatches * blocks + 1, "reduce_scatter_single": microbatches * (blocks + 1)}
+    gathers, scatters = 2 * microbatches * blocks + 1, microbatches * (blocks + 1)
+    expected = {"all_gather_single": gathers, "reduce_scatter_single": scatters}
     assert per_batch == [expected] * len(per_batch)
 
 
