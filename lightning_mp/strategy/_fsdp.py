@@ -50,7 +50,9 @@ batch divides them by its count; clipping sums the shards' squares as above. Cos
 units: 2MU + 1 all-gathers and M(U + 1) reduce-scatters, against U + 1 of each per step (``"never"``); peak: the
 root and one or two units whole instead of the stage (``benchmarks/memory.py``). At pp > 1 ``"always"`` is refused
 (``SMPConfig``): a stage runs microbatches on engine threads and serves other stages' calls in an order that can
-differ between sdp peers, and per-unit collectives entered in different orders hang or mix units.
+differ between sdp peers, and per-unit collectives entered in different orders hang or mix units. For the same
+reason (FSDP's own requirement) every sdp peer must run the same units in each microbatch: a block skipped on one
+peer only (data-dependent routing) needs ``"never"``, whose collectives run in a fixed order at the step's end.
 
 *Delayed initialisation* (torchtitan's order: ``fully_shard`` on the meta model, then materialise): a stage built on
 meta is wrapped first (:func:`wrap_stage`: its parameters become meta DTensor shards), and the init record's replay
