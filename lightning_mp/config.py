@@ -169,7 +169,7 @@ class SMPConfig:
     during the step). ``"always"``: FSDP's own per-unit schedule, only at ``pipeline_parallel_degree == 1``: each
     unit gathered for its forward and freed after it, gathered again for its backward and its gradients
     reduce-scattered right after it, every microbatch (one unit's whole parameters and gradients at a time; the
-    root, which holds what no unit holds, stays gathered through the step). ``"default"``: ``"always"`` at
+    root, which holds what no unit holds, stays gathered through each batch). ``"default"``: ``"always"`` at
     ``pipeline_parallel_degree == 1``, ``"never"`` for pipeline stages (torchtitan's default). See
     ``[Note: sharded stages]`` in ``lightning_mp/strategy/_fsdp.py``."""
 

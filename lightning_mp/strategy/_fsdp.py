@@ -192,7 +192,8 @@ def check_fsdp_api() -> None:
             DeviceMesh: ("_unflatten",),
         }
         missing += [f"{cls.__name__}.{name}" for cls, names in wanted.items() for name in names if not hasattr(cls, name)]
-        missing += [f"FSDPState().{name}" for name in ("_fsdp_param_groups", "_state_ctx", "_comm_ctx") if not hasattr(state, name)]
+        attributes = ("_fsdp_param_groups", "_state_ctx", "_comm_ctx")
+        missing += [f"FSDPState().{name}" for name in attributes if not hasattr(state, name)]
     if missing:
         raise ValueError(
             f"sharded_data_parallel_degree > 1 drives FSDP2 internals that torch {torch.__version__} lacks: "
@@ -245,11 +246,7 @@ class ShardedStage:
         """All-gather every unit's parameters (once per step; a no-op while gathered): the stage's modules then hold
         the whole (tp-local) parameters, the ones the engine's step computes with and accumulates into. Per unit,
         the root's only (the units' hooks gather each unit when it runs)."""
-        for group in self._groups(self._state if self.per_unit else None):
-            group.lazy_init()
-            group.unshard()
-            group.wait_for_unshard()
-        self._copy_attributes()
+        self._unshard(self._groups(self._state if self.per_unit else None))
 
     def step_parameters(self) -> list[nn.Parameter]:
         """Per unit: the sharded parameters (the optimizer's), into whose ``.grad`` FSDP reduce-scatters during the
@@ -264,6 +261,14 @@ class ShardedStage:
         states = self._state._state_ctx.all_states if state is None else [state]
         return [group for state in states for group in state._fsdp_param_groups]
 
+    def _unshard(self, groups: list[Any]) -> None:
+        """All-gather ``groups`` (each a no-op while gathered) and mark the gathered parameters."""
+        for group in groups:
+            group.lazy_init()
+            group.unshard()
+            group.wait_for_unshard()
+        self._copy_attributes()
+
     @property
     def gathered(self) -> bool:
         """Whether the modules hold the gathered parameters (between :meth:`gather` and the next reshard)."""
@@ -277,11 +282,7 @@ class ShardedStage:
         self._reshard_after_evaluation = not self.gathered  # mid accumulation window, training keeps them gathered
         if self.per_unit:  # the units' hooks keep what this gathers until end_evaluation
             self.root.set_reshard_after_forward(False)
-        for group in self._groups():
-            group.lazy_init()
-            group.unshard()
-            group.wait_for_unshard()
-        self._copy_attributes()
+        self._unshard(self._groups())
 
     def end_evaluation(self) -> None:
         """At the loop's end: shard again what :meth:`start_evaluation` gathered (no communication)."""
