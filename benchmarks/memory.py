@@ -64,6 +64,7 @@ class Setting:
     offloading: bool = False
     sharding: bool = False
     sdp: int = 1  # sharded_data_parallel_degree
+    reshard: str = "default"  # reshard_after_forward under sdp
 
 
 SETTINGS = [
@@ -82,6 +83,8 @@ SETTINGS = [
     Setting("delayed", 2, dp=2, delayed=True),
     Setting("delayed+shard", 2, dp=2, delayed=True, sharding=True),
     Setting("delayed+sdp", 2, dp=2, delayed=True, sdp=2),
+    Setting("delayed+sdp(reshard always)", 1, dp=2, delayed=True, sdp=2, reshard="always"),
+    Setting("delayed+sdp(reshard never)", 1, dp=2, delayed=True, sdp=2, reshard="never"),
 ]
 BUDGET_EAGER, BUDGET_DELAYED = 6, 7  # the pp=4 eager and delayed settings
 BUDGET_PP2 = (12, 13, 14)  # pp=2 x dp=2: replicas, ZeRO-1, sharded data parallelism
@@ -220,7 +223,8 @@ def run_setting(setting: Setting, args: argparse.Namespace, extra_callbacks=(), 
             callbacks.append(lightning_mp.ActivationCheckpointing(["examples.gpt.Block"]))
         if setting.offloading:
             callbacks.append(lightning_mp.ActivationOffloading(horizon=4))
-        sdp = {"sharded_data_parallel_degree": setting.sdp} if setting.sdp > 1 else {}
+        sdp = {"sharded_data_parallel_degree": setting.sdp, "reshard_after_forward": setting.reshard}
+        sdp = sdp if setting.sdp > 1 else {}
         strategy = lightning_mp.SMPStrategy(
             pipeline_parallel_degree=setting.pp, microbatches=args.microbatches, start_method="fork",
             delayed_parameter_initialization=setting.delayed, shard_optimizer_state=setting.sharding,

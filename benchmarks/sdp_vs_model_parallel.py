@@ -1,9 +1,10 @@
 """Sharded data parallelism against its peers, in one run: ``smp`` with ``sharded_data_parallel_degree=dp`` at
 pp=1 against Lightning's ``ModelParallelStrategy`` (FSDP2, ``fully_shard`` in ``configure_model``, each block a
 unit and the root last) and against the unsharded layout (``smp`` pp=1 x dp); and pp=2 x sdp=2 against pp=2 x
-dp=2 with ZeRO-1 (``shard_optimizer_state``).
+dp=2 with ZeRO-1 (``shard_optimizer_state``); and sdp=2 at pp=1 with 4 microbatches under both
+``reshard_after_forward`` settings (per unit, the pp=1 default, against once per step).
 
-    python benchmarks/sdp_vs_model_parallel.py [--section dp|pp2|all] [--rounds 3] [--steps 10] [--warmup 3]
+    python benchmarks/sdp_vs_model_parallel.py [--section dp|reshard|pp2|all] [--rounds 3] [--steps 10] [--warmup 3]
         [--n-layer 4] [--n-embd 256] [--vocab 4096]
 
 Every configuration trains the example GPT (``examples.gpt.GPT``, AdamW, global batch ``--batch`` of 64
@@ -54,6 +55,10 @@ def _configs(section: str) -> dict[str, dict]:
             configs[f"model-parallel-dp{dp}"] = {"strategy": "mp", "world": dp}
             configs[f"smp-sdp{dp}"] = {"strategy": "smp", "world": dp, "sdp": dp}
             configs[f"smp-dp{dp}-unsharded"] = {"strategy": "smp", "world": dp}
+    if section in ("reshard", "all"):  # reshard_after_forward at pp=1: per unit (the default) or once per step
+        for setting in ("always", "never"):
+            configs[f"sdp2-m4-{setting}"] = {"strategy": "smp", "world": 2, "sdp": 2, "microbatches": 4,
+                                             "reshard": setting}
     if section in ("pp2", "all"):
         for m in (2, 4):
             configs[f"pp2-sdp2-m{m}"] = {"strategy": "smp", "world": 4, "pp": 2, "sdp": 2, "microbatches": m}
@@ -162,6 +167,8 @@ def _run(name: str, layout: dict, args: argparse.Namespace, out_dir: str) -> Non
         strategy = L.pytorch.strategies.ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
     else:
         options = {"sharded_data_parallel_degree": layout["sdp"]} if layout.get("sdp", 1) > 1 else {}
+        if "reshard" in layout:
+            options["reshard_after_forward"] = layout["reshard"]
         if layout.get("zero1"):
             options["shard_optimizer_state"] = True
         if layout.get("pp", 1) > 1:  # the tied embedding and head on one stage, as sharding requires: same plans
@@ -204,6 +211,8 @@ def _table(configs: dict, results: dict[str, list[list[dict]]], args: argparse.N
             return name.replace("sdp2", "dp2-zero1"), name.replace("sdp2", "dp2-zero1")
         if name.startswith("pp2-"):
             return name, name
+        if name.startswith("sdp2-m4-"):  # per unit against once per step
+            return "sdp2-m4-never", "sdp2-m4-never"
         dp = configs[name]["world"]
         return f"model-parallel-dp{dp}", f"smp-dp{dp}-unsharded"
 
@@ -240,7 +249,7 @@ def _table(configs: dict, results: dict[str, list[list[dict]]], args: argparse.N
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--section", choices=("dp", "pp2", "all"), default="all")
+    parser.add_argument("--section", choices=("dp", "reshard", "pp2", "all"), default="all")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)

@@ -24,6 +24,7 @@ _SCHEDULES = ("interleaved", "simple", "zero_bubble")
 Optimize = Literal["speed", "memory"]
 TiedWeights = Literal["colocate", "replicate", "auto"]
 DataPlane = Literal["auto", "gloo", "nccl"]
+ReshardAfterForward = Literal["default", "always", "never"]
 
 _DEFAULT_MEMORY_WEIGHT = {"speed": 0.2, "memory": 0.8}
 _BOOLS = (
@@ -161,6 +162,17 @@ class SMPConfig:
     ``shard_optimizer_state`` (FSDP shards the optimizer state already). See ``[Note: sharded stages]`` in
     ``lightning_mp/strategy/_fsdp.py``."""
 
+    reshard_after_forward: ReshardAfterForward = "default"
+    """When a sharded stage's FSDP units are gathered (torchtitan's ``reshard_after_forward_policy``; with
+    ``sharded_data_parallel_degree > 1``). ``"never"``: every unit once per optimizer step, kept through all its
+    microbatches, gradients reduce-scattered once at the step's end (the stage's whole parameters and gradients
+    during the step). ``"always"``: FSDP's own per-unit schedule, only at ``pipeline_parallel_degree == 1``: each
+    unit gathered for its forward and freed after it, gathered again for its backward and its gradients
+    reduce-scattered right after it, every microbatch (one unit's whole parameters and gradients at a time; the
+    root, which holds what no unit holds, stays gathered through each batch). ``"default"``: ``"always"`` at
+    ``pipeline_parallel_degree == 1``, ``"never"`` for pipeline stages (torchtitan's default). See
+    ``[Note: sharded stages]`` in ``lightning_mp/strategy/_fsdp.py``."""
+
     release_host_memory: bool = False
     """On glibc Linux, fix malloc's mmap threshold at 128 KiB in every rank (``mallopt``, as the
     ``MALLOC_MMAP_THRESHOLD_`` environment variable does), so freed CPU tensors leave the resident set at once
@@ -259,12 +271,37 @@ class SMPConfig:
             )
         if self.timeout.total_seconds() <= 0:
             raise ValueError(f"`timeout` must be positive, got {self.timeout}.")
+        self._check_reshard_after_forward()
         if self.sharded_data_parallel_degree > 1 and self.shard_optimizer_state:
             raise ValueError(
                 f"shard_optimizer_state=True (ZeRO-1) cannot be combined with sharded_data_parallel_degree="
                 f"{self.sharded_data_parallel_degree}: FSDP already shards the optimizer state with the parameters."
                 " Drop shard_optimizer_state, or set sharded_data_parallel_degree=1."
             )
+
+    def _check_reshard_after_forward(self) -> None:
+        if self.reshard_after_forward not in ("default", "always", "never"):
+            raise ValueError(
+                "`reshard_after_forward` must be 'default', 'always' or 'never', got "
+                f"{self.reshard_after_forward!r}."
+            )
+        if self.reshard_after_forward == "always" and self.pipeline_parallel_degree > 1:
+            raise ValueError(
+                f"reshard_after_forward='always' needs pipeline_parallel_degree=1, got "
+                f"{self.pipeline_parallel_degree}: a pipeline stage runs its microbatches on engine threads and "
+                "serves other stages' calls in an order that can differ between its sharded data-parallel peers, "
+                "and a per-unit all-gather or reduce-scatter entered in a different order on two peers hangs or "
+                "mixes units. Use reshard_after_forward='never' (or 'default', which is 'never' for pipeline "
+                "stages: one all-gather and one reduce-scatter per unit and step)."
+            )
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """Whether sharded stages gather and free each FSDP unit around its forward and backward (the resolved
+        ``reshard_after_forward``: ``"always"``, or ``"default"`` at ``pipeline_parallel_degree == 1``)."""
+        return self.reshard_after_forward == "always" or (
+            self.reshard_after_forward == "default" and self.pipeline_parallel_degree == 1
+        )
 
     def _check_non_split_inputs(self) -> None:
         names = self.non_split_inputs

@@ -30,6 +30,30 @@ and gradients during the step (the sharded layout's saving holds between steps: 
 An evaluation loop gathers once at its start and reshards at its end (:meth:`ShardedStage.start_evaluation`), not
 per batch: no evaluation batch runs a collective, so replicas with different numbers of batches cannot hang.
 
+*Per unit* (``SMPConfig.reshard_after_forward``: ``"always"``, and ``"default"`` at pp=1, as torchtitan's
+``reshard_after_forward_policy``; a string like our other policies, since the third value, ``"default"``, depends
+on pp). Without a pipeline the engine runs the microbatches one after the other in the calling thread, forward
+then backward, the one thread FSDP's hooks expect, and every peer in the same order; so the units keep FSDP's own
+hooks (``fully_shard(unit, reshard_after_forward=True)``) rather than our calls around each unit: they already
+handle what a hand-made version would have to redo (checkpointed forwards replayed in backward, the pre-backward
+gather registered on the unit's outputs, backward prefetch). A unit is gathered before its forward and freed after
+it, gathered again before its backward, and its gradients are reduce-scattered (and freed with its parameters)
+right after it, every microbatch, as FSDP runs natively. The root's hooks never run (the engine calls
+``training_step``, not ``forward``), so the root (embeddings, head: what no unit holds) is gathered at the batch's
+start (:meth:`ShardedStage.gather`), kept through its microbatches (``reshard_after_backward=False``), and FSDP's
+end-of-backward callback reduce-scatters its gradients each microbatch; :meth:`ShardedStage.end_step` frees it after
+the batch. Accumulation: gradients are reduce-scattered per microbatch and summed in the shards' ``.grad`` (as
+FSDP2 does with gradient sync on), not held whole until the window's end (``set_requires_gradient_sync(False)``,
+whose whole gradients would undo the saving); the gradient stash holds the shards (:meth:`ShardedStage.
+step_parameters`), so Lightning's ``zero_grad`` on a window's first batch does not drop them and a token-weighted
+batch divides them by its count; clipping sums the shards' squares as above. Cost per batch of M microbatches and U
+units: 2MU + 1 all-gathers and M(U + 1) reduce-scatters, against U + 1 of each per step (``"never"``); peak: the
+root and one or two units whole instead of the stage (``benchmarks/memory.py``). At pp > 1 ``"always"`` is refused
+(``SMPConfig``): a stage runs microbatches on engine threads and serves other stages' calls in an order that can
+differ between sdp peers, and per-unit collectives entered in different orders hang or mix units. For the same
+reason (FSDP's own requirement) every sdp peer must run the same units in each microbatch: a block skipped on one
+peer only (data-dependent routing) needs ``"never"``, whose collectives run in a fixed order at the step's end.
+
 *Delayed initialisation* (torchtitan's order: ``fully_shard`` on the meta model, then materialise): a stage built on
 meta is wrapped first (:func:`wrap_stage`: its parameters become meta DTensor shards), and the init record's replay
 then keeps, of each tensor it makes, only this rank's piece (:func:`~lightning_mp.init.materialize_module` on a
@@ -108,7 +132,12 @@ def wrapping_units(module: nn.Module, stage_of: Mapping[str, int], stage: int) -
 
 
 def wrap_stage(
-    module: nn.Module, mesh: DeviceMesh, stage_of: Mapping[str, int], stage: int, precision: str = "32-true"
+    module: nn.Module,
+    mesh: DeviceMesh,
+    stage_of: Mapping[str, int],
+    stage: int,
+    precision: str = "32-true",
+    per_unit: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Wrap this rank's stage of ``module`` with ``fully_shard`` over ``mesh``, units first, root last.
 
@@ -123,6 +152,7 @@ def wrap_stage(
         stage_of: module FQN -> stage (the plan's, after the tensor-parallel swap).
         stage: this rank's stage.
         precision: Lightning's precision plugin's ``precision``; its :func:`mixed_precision_policy` is every unit's.
+        per_unit: the units reshard after their forward (``SMPConfig.reshards_after_forward``); the root never.
 
     Returns:
         Parameter FQN -> the attributes its parameter carried (tensor-parallel shard specs and gradient rules), for
@@ -131,8 +161,9 @@ def wrap_stage(
     attributes = {fqn: dict(vars(p)) for fqn, p in module.named_parameters() if vars(p)}
     units = [module.get_submodule(fqn) for fqn in wrapping_units(module, stage_of, stage)]
     policy = mixed_precision_policy(precision)
-    for unit in [*units, module]:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=per_unit, mp_policy=policy)
+    fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
     module.set_reduce_scatter_unused_params(True)  # a gradient missing on one rank is zeros there, as under DDP
     return attributes
 
@@ -157,11 +188,12 @@ def check_fsdp_api() -> None:
             FSDPState: ("_lazy_init", "_root_post_backward_final_callback"),
             FSDPParamGroup: ("lazy_init", "unshard", "wait_for_unshard", "reshard", "post_backward", "is_unsharded"),
             FSDPModule: ("set_is_last_backward", "set_reshard_after_backward", "set_requires_gradient_sync",
-                         "set_reduce_scatter_unused_params"),
+                         "set_reduce_scatter_unused_params", "set_reshard_after_forward"),
             DeviceMesh: ("_unflatten",),
         }
         missing += [f"{cls.__name__}.{name}" for cls, names in wanted.items() for name in names if not hasattr(cls, name)]
-        missing += [f"FSDPState().{name}" for name in ("_fsdp_param_groups", "_state_ctx") if not hasattr(state, name)]
+        attributes = ("_fsdp_param_groups", "_state_ctx", "_comm_ctx")
+        missing += [f"FSDPState().{name}" for name in attributes if not hasattr(state, name)]
     if missing:
         raise ValueError(
             f"sharded_data_parallel_degree > 1 drives FSDP2 internals that torch {torch.__version__} lacks: "
@@ -177,18 +209,24 @@ class ShardedStage:
     Args:
         root: the LightningModule, wrapped by ``fully_shard`` last.
         attributes: parameter FQN -> the attributes its parameter carried before sharding.
+        per_unit: the units' own FSDP hooks gather and free them around their forward and backward (``wrap_stage``'s
+            ``per_unit``; one stage only, whose microbatches run one after the other in the calling thread).
     """
 
-    def __init__(self, root: nn.Module, attributes: dict[str, dict[str, Any]]) -> None:
+    def __init__(self, root: nn.Module, attributes: dict[str, dict[str, Any]], per_unit: bool = False) -> None:
         assert isinstance(root, FSDPModule)
         self.root = root
+        self.per_unit = per_unit
         self._attributes = attributes
         self._reshard_after_evaluation = False
         self._state = fully_shard.state(root)
         self._state._lazy_init()  # the root and the units' shared state, as the root's first forward would
         for state in self._state._state_ctx.all_states:  # the engine, not FSDP's hooks, decides (see the Note)
-            state._pre_forward_hook_handle.remove()
-            state._post_forward_hook_handle.remove()
+            if not per_unit or state is self._state:  # per unit: the units' hooks stay, the root's never run
+                state._pre_forward_hook_handle.remove()
+                state._post_forward_hook_handle.remove()
+        if per_unit:  # the root's group stays gathered through a step; FSDP's backward callback reduce-scatters it
+            root.set_reshard_after_backward(False, recurse=False)
         self._copy_attributes()  # onto the sharded parameters
 
     def gathered_units(self) -> Iterator[list[nn.Parameter]]:
@@ -206,12 +244,29 @@ class ShardedStage:
 
     def gather(self) -> None:
         """All-gather every unit's parameters (once per step; a no-op while gathered): the stage's modules then hold
-        the whole (tp-local) parameters, the ones the engine's step computes with and accumulates into."""
-        for state in self._state._state_ctx.all_states:
-            for group in state._fsdp_param_groups:
-                group.lazy_init()
-                group.unshard()
-                group.wait_for_unshard()
+        the whole (tp-local) parameters, the ones the engine's step computes with and accumulates into. Per unit,
+        the root's only (the units' hooks gather each unit when it runs)."""
+        self._unshard(self._groups(self._state if self.per_unit else None))
+
+    def step_parameters(self) -> list[nn.Parameter]:
+        """Per unit: the sharded parameters (the optimizer's), into whose ``.grad`` FSDP reduce-scatters during the
+        step; else the gathered ones the engine accumulates into (after :meth:`gather`)."""
+        self.gather()
+        if not self.per_unit:
+            return list(self.root.parameters())
+        return [p.sharded_param for group in self._groups() for p in group.fsdp_params]
+
+    def _groups(self, state: Any = None) -> list[Any]:
+        """FSDP's parameter groups: of ``state``, or of every unit and the root (``None``)."""
+        states = self._state._state_ctx.all_states if state is None else [state]
+        return [group for state in states for group in state._fsdp_param_groups]
+
+    def _unshard(self, groups: list[Any]) -> None:
+        """All-gather ``groups`` (each a no-op while gathered) and mark the gathered parameters."""
+        for group in groups:
+            group.lazy_init()
+            group.unshard()
+            group.wait_for_unshard()
         self._copy_attributes()
 
     @property
@@ -225,10 +280,16 @@ class ShardedStage:
         batch runs a collective and replicas with different numbers of batches cannot hang. Every rank of the shard
         mesh must run the loop (Lightning skips a loop without batches: give every replica at least one)."""
         self._reshard_after_evaluation = not self.gathered  # mid accumulation window, training keeps them gathered
-        self.gather()
+        if self.per_unit:  # the units' hooks keep what this gathers until end_evaluation
+            self.root.set_reshard_after_forward(False)
+        self._unshard(self._groups())
 
     def end_evaluation(self) -> None:
         """At the loop's end: shard again what :meth:`start_evaluation` gathered (no communication)."""
+        if self.per_unit:  # training's per-unit schedule again, without the loop's forwards in its prefetch order
+            self.root.set_reshard_after_forward(True)
+            self.root.set_reshard_after_forward(False, recurse=False)
+            self._state._comm_ctx.post_forward_order.clear()
         if self._reshard_after_evaluation:
             self.reshard()
         self._reshard_after_evaluation = False
@@ -240,11 +301,19 @@ class ShardedStage:
             for group in state._fsdp_param_groups:
                 group.reshard()
 
+    def end_step(self) -> None:
+        """After a training batch: per unit, free the root (FSDP's backward reduce-scattered its gradients too), so
+        that Lightning's hooks, clipping and the optimizer see the shards and their gradients on every batch."""
+        if self.per_unit:
+            self.reshard()
+
     def reduce_scatter(self) -> None:
         """Reduce-scatter every unit's accumulated gradients into the shards' ``.grad`` (averaged over ``dp``; HSDP
         all-reduces across replicas too) and free the gathered parameters: once per optimizer step, as
         ``perform_reduce_grad`` of torch's pipelining stages. A parameter without gradient contributes zeros if any
-        rank has one."""
+        rank has one. Per unit, a no-op: FSDP's backward reduce-scattered already, and ``end_step`` freed the root."""
+        if self.per_unit:
+            return
         root = self.root
         root.set_is_last_backward(True)
         root.set_reshard_after_backward(True)

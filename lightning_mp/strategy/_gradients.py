@@ -129,10 +129,10 @@ class StepGradients:
         return topology.data_parallel_degree > 1 or topology.tensor_parallel_degree > 1 or self._tied.active
 
     def step_parameters(self) -> list[nn.Parameter]:
-        """The parameters a training batch computes with and accumulates into: this stage's, gathered first under
-        sharded data parallelism (they stay gathered until :meth:`finish` reduce-scatters)."""
+        """The parameters a training batch's gradients go to: this stage's; under sharded data parallelism
+        ``ShardedStage.step_parameters`` (gathered, or per unit the shards FSDP reduce-scatters into)."""
         if self._sharded is not None:
-            self._sharded.gather()
+            return self._sharded.step_parameters()
         return list(self._model.parameters())
 
     def begin(
@@ -156,6 +156,8 @@ class StepGradients:
                 self.reducer.flush()
         finally:
             self._stash.end()
+            if self._sharded is not None:
+                self._sharded.end_step()
         if summary is not None and summary.num_tokens:  # see [Note: token-weighted losses]
             self._stash.scale(1.0 / summary.num_tokens)
 

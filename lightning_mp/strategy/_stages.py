@@ -232,19 +232,23 @@ def install_stage(
     attributes = None
     if groups.shard_mesh is not None and (not is_delayed(module) or config.tensor_parallel_degree == 1):
         # delayed: shard on meta, then materialise straight into the shards (see [Note: sharded stages] in _fsdp.py)
-        attributes = wrap_stage(module, groups.shard_mesh, stage_of, topology.pp_rank, precision)
+        attributes = wrap_stage(
+            module, groups.shard_mesh, stage_of, topology.pp_rank, precision, config.reshards_after_forward
+        )
     if is_delayed(module):  # only this stage's tensors (under tp, shards) are left: allocate and initialise them
         materialize_stage(module, device, topology.pp_rank)
     if config.release_host_memory:
         trim_host_memory()  # what the build, the trace and the replay freed
     if groups.shard_mesh is not None and attributes is None:  # delayed tp x sdp: the tp-local stage, then shards
-        attributes = wrap_stage(module, groups.shard_mesh, stage_of, topology.pp_rank, precision)
+        attributes = wrap_stage(
+            module, groups.shard_mesh, stage_of, topology.pp_rank, precision, config.reshards_after_forward
+        )
     tied.rebind(module)  # FSDP's sharded parameter objects
     tied.broadcast_copies()  # see [Note: replicated tied weights] in _tied.py
     if groups.shard_mesh is None:
         engine.order_gradients(module)
         return InstalledStage(plan, tied)
-    sharded = ShardedStage(module, attributes)
+    sharded = ShardedStage(module, attributes, config.reshards_after_forward)
     for params in sharded.gathered_units():  # the engine's gradient hooks go on the gathered parameters
         engine.order_gradients(params)
     return InstalledStage(plan, tied, sharded)  # sharded: what configure_optimizers sees

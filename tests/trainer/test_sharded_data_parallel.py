@@ -66,7 +66,7 @@ def _mean_losses(results: list[dict], pp: int) -> list[float]:
     return torch.tensor([replica[0]["losses"] for replica in _replicas(results, pp)]).mean(0).tolist()
 
 
-def _assert_matches(results: list[dict], reference: dict, pp: int, sdp: int) -> None:
+def _assert_matches(results: list[dict], reference: dict, pp: int, sdp: int, per_unit: bool = False) -> None:
     replicas = _replicas(results, pp)
     torch.testing.assert_close(_mean_losses(results, pp), reference["losses"], **TOL)
     for replica in replicas:
@@ -75,16 +75,29 @@ def _assert_matches(results: list[dict], reference: dict, pp: int, sdp: int) -> 
         root, *units = result["units"]  # blocks (or the part of one this stage holds) and partitioned subtrees
         assert root == "" and all(u.startswith(("net.blocks.", "net.head")) for u in units), result["units"]
         assert units or not any(n.startswith("net.blocks.") for n in result["params"]), "a block is a unit"
-        # per optimizer step, one all-gather (its window's first batch) and one reduce-scatter (its last) per unit with
-        # parameters, whatever the number of microbatches: none per microbatch
-        counts = [c for calls in result["collectives"] for c in calls.values() if c]
-        gathers, scatters = ([calls[k] for calls in result["collectives"]] for k in RecordShards.COLLECTIVES)
-        assert counts and set(counts) == {counts[0]} and counts[0] <= len(result["units"]), result["collectives"]
-        assert sum(gathers) == sum(scatters) == counts[0] * STEPS, result["collectives"]
+        if per_unit:
+            _assert_per_unit_collectives(result["collectives"], len(units))
+        else:
+            # per optimizer step, one all-gather (its window's first batch) and one reduce-scatter (its last) per unit
+            # with parameters, whatever the number of microbatches: none per microbatch
+            counts = [c for calls in result["collectives"] for c in calls.values() if c]
+            gathers, scatters = ([calls[k] for calls in result["collectives"]] for k in RecordShards.COLLECTIVES)
+            assert counts and set(counts) == {counts[0]} and counts[0] <= len(result["units"]), result["collectives"]
+            assert sum(gathers) == sum(scatters) == counts[0] * STEPS, result["collectives"]
         torch.testing.assert_close(result["metrics"]["val_loss"], reference["metrics"]["val_loss"], **TOL)
         for name, value in result["params"].items():
             torch.testing.assert_close(value, reference["params"][name], **TOL, msg=name)
             assert result["held"][name] == _shard_numel(value, sdp, (rank // pp) % sdp), f"{name}: a shard"
+
+
+def _assert_per_unit_collectives(per_batch: list[dict[str, int]], blocks: int) -> None:
+    """``reshard_after_forward`` per unit, 2 microbatches: per microbatch each block is all-gathered for its forward
+    and again for its backward, and each block and the root are reduce-scattered; the root (what no block holds) is
+    all-gathered once per batch."""
+    microbatches = 2
+    gathers, scatters = 2 * microbatches * blocks + 1, microbatches * (blocks + 1)
+    expected = {"all_gather_single": gathers, "reduce_scatter_single": scatters}
+    assert per_batch == [expected] * len(per_batch)
 
 
 @pytest.mark.parametrize(
@@ -106,7 +119,22 @@ def test_fit_matches_one_process(tmp_path, pp, dp, sdp, kwargs, trainer_kwargs):
     plain_kwargs = {k: v for k, v in trainer_kwargs.items() if k != "callbacks_extra"}
     reference = _fit_lm(str(tmp_path / "ref"), None, 1, plain_kwargs)[0]
     results = _fit_lm(str(tmp_path / "smp"), _sdp(pp, sdp, **kwargs), pp * dp, trainer_kwargs)
-    _assert_matches(results, reference, pp, sdp)
+    # reshard_after_forward's default: per unit at pp=1, once per step for pipeline stages
+    _assert_matches(results, reference, pp, sdp, per_unit=pp == 1)
+
+
+@pytest.mark.parametrize("reshard_after_forward", ["always", "never"])
+def test_reshard_after_forward_at_pp1_matches_one_process(tmp_path, reshard_after_forward):
+    """sdp2 at pp=1, 2 microbatches, windows of 2 batches, clipping, checkpointed blocks: ``"always"`` (each block
+    gathered for its forward and again for its backward, where its forward is replayed, reduce-scattered after it,
+    every microbatch) and ``"never"`` (every unit once per window) against one process, every parameter and loss;
+    the collectives each batch ran, counted."""
+    options = {**CLIP, "accumulate_grad_batches": 2}
+    reference = _fit_lm(str(tmp_path / "ref"), None, 1, options)[0]
+    strategy = _sdp(1, 2, reshard_after_forward=reshard_after_forward)
+    checkpointing = (lightning_mp.ActivationCheckpointing(["net.blocks.*"]),)
+    results = _fit_lm(str(tmp_path / "smp"), strategy, 2, {**options, "callbacks_extra": checkpointing})
+    _assert_matches(results, reference, 1, 2, per_unit=reshard_after_forward == "always")
 
 
 def _fit_lm(out_dir: str, strategy, devices: int, trainer_kwargs: dict, record=None, module=None) -> list[dict]:
@@ -250,9 +278,11 @@ BF16_TOL = {"rtol": 2**-8, "atol": 1e-4}
 
 
 @pytest.mark.parametrize(
-    ("pp", "trainer_kwargs"), [(1, {"accumulate_grad_batches": 2}), (2, {})], ids=["sdp2", "pp2xsdp2"]
+    ("pp", "trainer_kwargs", "reshard_after_forward"),
+    [(1, {"accumulate_grad_batches": 2}, "never"), (1, {"accumulate_grad_batches": 2}, "always"), (2, {}, "default")],
+    ids=["sdp2", "sdp2-per-unit", "pp2xsdp2"],
 )
-def test_bf16_mixed_gathers_in_bf16_and_reduces_in_fp32(tmp_path, pp, trainer_kwargs):
+def test_bf16_mixed_gathers_in_bf16_and_reduces_in_fp32(tmp_path, pp, trainer_kwargs, reshard_after_forward):
     """Under ``precision="bf16-mixed"`` FSDP's ``MixedPrecisionPolicy(bf16, fp32)`` takes effect on the engine's path:
     the shards' all-gather moves bf16, the modules compute with bf16 parameters and accumulate bf16 gradients, the
     reduce-scatter moves fp32 into fp32 gradients of the fp32 shards (the optimizer's master weights). Losses and
@@ -260,16 +290,20 @@ def test_bf16_mixed_gathers_in_bf16_and_reduces_in_fp32(tmp_path, pp, trainer_kw
     options = {**CLIP, **trainer_kwargs, "precision": "bf16-mixed"}
     reference = _fit_lm(str(tmp_path / "ref"), None, 1, options)[0]
     results = _fit_lm(
-        str(tmp_path / "smp"), _sdp(pp, 2), 2 * pp, options, record=RecordPrecision(str(tmp_path / "smp"), logged=True)
+        str(tmp_path / "smp"), _sdp(pp, 2, reshard_after_forward=reshard_after_forward), 2 * pp, options,
+        record=RecordPrecision(str(tmp_path / "smp"), logged=True),
     )
     torch.testing.assert_close(_mean_losses(results, pp), reference["losses"], **BF16_TOL)
     for rank, result in enumerate(results):
         assert result["moved"] == {"all_gather_single": {"torch.bfloat16"}, "reduce_scatter_single": {"torch.float32"}}
         sharded = {(True, "torch.float32", "torch.float32")}
-        if pp == 1:  # a window's first batch: gathered bf16 parameters and local bf16 gradients; its last: shards
+        if reshard_after_forward == "never":  # a window's first batch: gathered bf16 parameters and local bf16
+            # gradients; its last: shards
             gathered = {(False, "torch.bfloat16", "torch.bfloat16")}
             # windows of 2 batches in an epoch of STEPS = 3: batches (0, 1), (2,) (the epoch's end steps), (3, 4)
             assert result["after_backward"] == [gathered, sharded, sharded, gathered, sharded], result["after_backward"]
+        elif reshard_after_forward == "always":  # reduce-scattered during every batch's backward
+            assert result["after_backward"] == [sharded] * 5, result["after_backward"]
         else:
             assert result["after_backward"] == [sharded] * STEPS, result["after_backward"]
         for name, value in result["params"].items():

@@ -21,6 +21,12 @@ from tests.models import TinyLM
             {"sharded_data_parallel_degree": 2, "shard_optimizer_state": True},
             r"shard_optimizer_state=True \(ZeRO-1\) cannot be combined with sharded_data_parallel_degree=2.*Drop",
         ),
+        (
+            {"sharded_data_parallel_degree": 2, "pipeline_parallel_degree": 2, "reshard_after_forward": "always"},
+            r"reshard_after_forward='always' needs pipeline_parallel_degree=1, got 2: .*engine threads.*order that can "
+            r"differ.*Use reshard_after_forward='never'",
+        ),
+        ({"reshard_after_forward": True}, r"`reshard_after_forward` must be 'default', 'always' or 'never', got True"),
     ],
 )
 def test_config_errors_name_the_value_and_fix(kwargs, match):
@@ -28,6 +34,16 @@ def test_config_errors_name_the_value_and_fix(kwargs, match):
         SMPConfig(**kwargs)
     with pytest.raises(ValueError, match=match):
         SMPStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("pp", "setting", "per_unit"),
+    [(1, "default", True), (2, "default", False), (1, "always", True), (1, "never", False), (2, "never", False)],
+)
+def test_reshard_after_forward_default_is_per_unit_at_pp1_only(pp, setting, per_unit):
+    """torchtitan's default: per-unit gathers without a pipeline, one gather per step for pipeline stages."""
+    config = SMPConfig(pipeline_parallel_degree=pp, sharded_data_parallel_degree=2, reshard_after_forward=setting)
+    assert config.reshards_after_forward is per_unit
 
 
 def test_shard_degree_must_divide_the_data_parallel_degree():
