@@ -76,9 +76,17 @@ def name_checkpoint_folders(callbacks: list[Any], announce: bool = True) -> None
 PARTIAL_SUFFIX = ".partial"
 
 
+def _hidden(path: Path, suffix: str) -> Path:
+    """A temporary name next to ``path``: hidden (no glob takes it), and without ``ckpt_``, since Lightning's
+    SLURM requeue reads a version number out of every name in the folder that has ``ckpt_`` (``hpc_ckpt_N``):
+    a ``.hpc_ckpt_2.ckpt.partial`` left by a killed save would make the requeued job resume from a missing
+    ``hpc_ckpt_2.ckpt``."""
+    return path.parent / f".{path.name.replace('ckpt_', 'ckpt-')}{suffix}"
+
+
 def _partial_path(path: Path) -> Path:
-    """Where a checkpoint is written before it is committed under ``path`` (hidden, so no glob takes it)."""
-    return path.parent / f".{path.name}{PARTIAL_SUFFIX}"
+    """Where a checkpoint is written before it is committed under ``path`` (see :func:`_hidden`)."""
+    return _hidden(path, PARTIAL_SUFFIX)
 
 
 def is_complete_checkpoint(path: Path) -> bool:
@@ -95,7 +103,7 @@ def is_complete_checkpoint(path: Path) -> bool:
 def _remove(path: Path) -> None:
     """Remove a file or folder so that its name is gone at once (renamed first, then deleted)."""
     if path.is_dir() and not path.is_symlink():
-        trash = path.parent / f".{path.name}.removing-{uuid.uuid4().hex[:8]}"
+        trash = _hidden(path, f".removing-{uuid.uuid4().hex[:8]}")
         os.rename(path, trash)
         shutil.rmtree(trash, ignore_errors=True)
     elif path.exists() or path.is_symlink():
