@@ -10,7 +10,8 @@ work after ``import lightning_mp``.
 The public names, by concept (``__all__``):
 
 - strategy and config: :class:`SMPStrategy`, :class:`SMPConfig`;
-- errors: :class:`PipelineError`, :class:`CheckpointMismatchError`, :class:`TPDivisibilityError`;
+- errors: :class:`PipelineError`, :class:`CheckpointMismatchError`, :class:`TPDivisibilityError`,
+  :class:`RankFailedError`;
 - callbacks: :class:`ActivationCheckpointing`, :class:`ActivationOffloading`, :class:`DelayedParameterInit`,
   :class:`PartitionSummary`, :class:`PipelineTimeline`;
 - placement: :func:`partition` (``with lightning_mp.partition(k):``), :class:`PartitionPlan`;
@@ -46,6 +47,7 @@ from lightning_mp.partition import PartitionPlan
 from lightning_mp.pipeline import PipelineError, RemoteValue
 from lightning_mp.strategy import SMPStrategy
 from lightning_mp.strategy._checkpoint import CheckpointMismatchError
+from lightning_mp.strategy._roll_call import RankFailedError
 from lightning_mp.tp import (
     TPDivisibilityError,
     set_tensor_parallelism,
@@ -61,6 +63,7 @@ __all__ = [
     # errors
     "CheckpointMismatchError",
     "PipelineError",
+    "RankFailedError",
     "TPDivisibilityError",
     # callbacks
     "ActivationCheckpointing",

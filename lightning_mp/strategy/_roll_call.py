@@ -36,6 +36,8 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore
 from torch.distributed.checkpoint.api import CheckpointException
 
+from lightning_mp.pipeline import PipelineError
+
 __all__ = ["ANSWER_S", "RankFailedError", "answer_roll_calls", "is_collective_failure", "leave", "naming_failed_ranks",
            "roll_call", "stop_answering", "store_address"]
 
@@ -56,6 +58,9 @@ class RankFailedError(dist.DistError):
     def __init__(self, message: str, ranks: Sequence[int]) -> None:
         super().__init__(message)
         self.ranks = list(ranks)
+
+    def __reduce__(self) -> tuple[type, tuple[str, list[int]]]:  # pickled across processes (spawn, the CLI)
+        return type(self), (str(self), self.ranks)
 
 
 @dataclass(frozen=True)
@@ -204,6 +209,9 @@ def naming_failed_ranks(what: str, ranks: Sequence[int] | None = None) -> Iterat
             raise RankFailedError(f"{where}: {who} died or stopped answering ({first}).", peers) from err
         if absent is None:
             raise RankFailedError(f"{where}: {detail} ({first}).", []) from err
+        if absent and isinstance(err, PipelineError):  # it names the stage and rank it lost: keep it, as users catch it
+            err.add_note(f"lightning_mp: {where}; global ranks {absent} did not answer a roll call ({detail}).")
+            raise
         if absent:
             who = f"global rank {absent[0]}" if len(absent) == 1 else f"global ranks {absent}"
             raise RankFailedError(
@@ -240,13 +248,16 @@ def roll_call(ranks: Sequence[int], my_error: str, wait_s: float = ANSWER_S) -> 
             time.sleep(0.05)
         silent = [r for r, key in zip(ranks, keys) if not store.check([key])]
         left = {r for r in silent if store.check([f"left/{r}"])}
+        exited = {r for r in silent if r not in left and store.check([f"stopped/{r}"])}
     except Exception as err:  # noqa: BLE001 - the store did not answer: its host is gone or hung
         return None, (f"the job's store at {address.host}:{address.port} did not answer ({_first_line(err)[:200]}):"
                       f" its host, {address.owner()}, died or stopped answering")
-    absent = [r for r in silent if r not in left]
+    absent = [r for r in silent if r not in left and r not in exited]
     detail = f"no answer to a roll call through the job's store within {wait_s:.0f} s"
     if left:
         detail += f"; global ranks {sorted(left)} had left with errors of their own"
+    if exited:
+        detail += f"; global ranks {sorted(exited)} had finished and exited"
     return absent, detail
 
 

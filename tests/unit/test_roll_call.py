@@ -4,6 +4,7 @@ answering threads on a real ``TCPStore``; the process groups themselves are test
 
 from __future__ import annotations
 
+import pickle
 import threading
 import time
 from datetime import timedelta
@@ -52,6 +53,18 @@ def test_a_rank_that_left_with_its_own_error_is_not_named(job):
     address.connect(timedelta(seconds=5)).set("left/2", b"RuntimeError: gloo ...")
     absent, detail = roll_call([1, 2, 3], "RuntimeError: gloo ...", wait_s=1.0)
     assert absent == [] and "global ranks [2] had left with errors of their own" in detail, (absent, detail)
+
+
+def test_a_rank_that_finished_and_exited_is_not_named(job):
+    _, address = job
+    address.connect(timedelta(seconds=5)).set("stopped/2", b"1")  # what `stop_answering` records at a clean exit
+    absent, detail = roll_call([1, 2, 3], "RuntimeError: gloo ...", wait_s=1.0)
+    assert absent == [] and "global ranks [2] had finished and exited" in detail, (absent, detail)
+
+
+def test_the_error_survives_pickling():
+    error = pickle.loads(pickle.dumps(RankFailedError("the all-reduce failed: global rank 3 died", [3])))
+    assert isinstance(error, RankFailedError) and error.ranks == [3] and "global rank 3 died" in str(error)
 
 
 def test_a_store_that_does_not_answer_names_its_host(monkeypatch):

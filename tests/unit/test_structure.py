@@ -160,8 +160,8 @@ def test_public_surface_is_grouped_and_moved_names_still_import_with_a_warning()
     import lightning_mp
     from lightning_mp import smp
 
-    assert len(lightning_mp.__all__) == 20 and len(set(lightning_mp.__all__)) == 20
-    assert {"PipelineError", "PartitionPlan", "RemoteValue"} <= set(lightning_mp.__all__)
+    assert len(lightning_mp.__all__) == 21 and len(set(lightning_mp.__all__)) == 21
+    assert {"PipelineError", "RankFailedError", "PartitionPlan", "RemoteValue"} <= set(lightning_mp.__all__)
     assert not set(smp.__all__) & set(lightning_mp.__all__)
     for name in lightning_mp.__all__:
         assert getattr(lightning_mp, name) is not None
