@@ -327,8 +327,9 @@ def _victim_error(log: str, rank: int) -> str:
     """The first line of an error in ``log`` that names global rank ``rank`` ("" when none does) as the failed one:
     ours ("global rank R died", "global ranks [.., R, ..] died", "pipeline stage S (global rank R)", "its host,
     global rank R's process"), or Lightning's launcher's ("[rank: R] Child process with PID ... terminated with code
-    -9"). A list of a collective's ranks ("over global ranks [0, 1, 2, 3]") does not count."""
-    pattern = re.compile(rf"(global rank {rank}\b(?![,\]])|global ranks \[[\d, ]*\b{rank}\b[\d, ]*\] died"
+    -9"). A list of a collective's ranks ("over global ranks [0, 1, 2, 3]") and the reporting rank ("failed on
+    global rank R") do not count."""
+    pattern = re.compile(rf"((?<!on )global rank {rank}\b(?![,\]])|global ranks \[[\d, ]*\b{rank}\b[\d, ]*\] died"
                          rf"|\[rank: {rank}\] Child process)")
     for line in log.splitlines():
         if pattern.search(line) and re.search(r"Error|error|failed|Lost|heard nothing|Timed out|terminated", line):
