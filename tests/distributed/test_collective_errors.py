@@ -108,6 +108,7 @@ def _one_rank_does_not_answer(rank: int, world: int) -> str:
     dist.barrier()
     if rank == 2:
         return "left"
+    error = "no RankFailedError was raised"
     try:
         with naming_peers("the data-parallel gradient all-reduce", dist.group.WORLD):
             dist.all_reduce(torch.ones(4))
