@@ -284,6 +284,13 @@ class ShardedStage:
             self.root.set_reshard_after_forward(False)
         self._unshard(self._groups())
 
+    def keep_gathered(self) -> None:
+        """Before each evaluation batch: gather again what a ``state_dict()`` during the loop (a callback's; FSDP's
+        state-dict hook reshards) freed. Nothing at all, and no collective, while every unit is gathered."""
+        groups = self._groups()
+        if not all(group.is_unsharded for group in groups):
+            self._unshard(groups)
+
     def end_evaluation(self) -> None:
         """At the loop's end: shard again what :meth:`start_evaluation` gathered (no communication)."""
         if self.per_unit:  # training's per-unit schedule again, without the loop's forwards in its prefetch order

@@ -380,17 +380,20 @@ class SMPStrategy(CheckpointHooks, ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        summary = self._runner.run("validation_step", self.precision_plugin.val_step_context, args, kwargs)
-        return move_data_to_device(summary.output, self.root_device)
+        return self._evaluation_step("validation_step", self.precision_plugin.val_step_context, args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        summary = self._runner.run("test_step", self.precision_plugin.test_step_context, args, kwargs)
-        return move_data_to_device(summary.output, self.root_device)
+        return self._evaluation_step("test_step", self.precision_plugin.test_step_context, args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        summary = self._runner.run("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+        return self._evaluation_step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+
+    def _evaluation_step(self, name: str, context: Any, args: tuple, kwargs: dict) -> Any:
+        if self._sharded is not None:  # gathered at the loop's start; again if a callback's state_dict() resharded
+            self._sharded.keep_gathered()
+        summary = self._runner.run(name, context, args, kwargs)
         return move_data_to_device(summary.output, self.root_device)
 
     @override

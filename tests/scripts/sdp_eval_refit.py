@@ -32,6 +32,9 @@ class UnevenPredict(Wrapped):
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
 
+    def on_validation_batch_end(self, outputs, batch, batch_idx, dataloader_idx=0):
+        self.state_dict()  # as an EMA or logging callback does mid-loop: FSDP's state-dict hook reshards the stage
+
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
