@@ -169,9 +169,11 @@ class SMPConfig:
     during the step). ``"always"``: FSDP's own per-unit schedule, only at ``pipeline_parallel_degree == 1``: each
     unit gathered for its forward and freed after it, gathered again for its backward and its gradients
     reduce-scattered right after it, every microbatch (one unit's whole parameters and gradients at a time; the
-    root, which holds what no unit holds, stays gathered through each batch). ``"default"``: ``"always"`` at
-    ``pipeline_parallel_degree == 1``, ``"never"`` for pipeline stages (torchtitan's default). See
-    ``[Note: sharded stages]`` in ``lightning_mp/strategy/_fsdp.py``."""
+    root, which holds what no unit holds, stays gathered through each batch); refused with tensor parallelism, and
+    with token-weighted losses at the step that returns ``num_tokens`` (both gave wrong gradients in review; needs a
+    model with FSDP units). ``"default"``: ``"never"`` on every layout for now (torchtitan's default is ``"always"``
+    at ``pipeline_parallel_degree == 1``; ours waits for those gaps). See ``[Note: sharded stages]`` in
+    ``lightning_mp/strategy/_fsdp.py``."""
 
     release_host_memory: bool = False
     """On glibc Linux, fix malloc's mmap threshold at 128 KiB in every rank (``mallopt``, as the
@@ -285,6 +287,12 @@ class SMPConfig:
                 "`reshard_after_forward` must be 'default', 'always' or 'never', got "
                 f"{self.reshard_after_forward!r}."
             )
+        if self.reshard_after_forward == "always" and self.tensor_parallel_degree > 1:
+            raise ValueError(
+                f"reshard_after_forward='always' does not compose with tensor_parallel_degree="
+                f"{self.tensor_parallel_degree} yet (tp's replicated-gradient sums would run on the reduce-scattered "
+                "DTensor shards). Use reshard_after_forward='never' (the default)."
+            )
         if self.reshard_after_forward == "always" and self.pipeline_parallel_degree > 1:
             raise ValueError(
                 f"reshard_after_forward='always' needs pipeline_parallel_degree=1, got "
@@ -298,10 +306,8 @@ class SMPConfig:
     @property
     def reshards_after_forward(self) -> bool:
         """Whether sharded stages gather and free each FSDP unit around its forward and backward (the resolved
-        ``reshard_after_forward``: ``"always"``, or ``"default"`` at ``pipeline_parallel_degree == 1``)."""
-        return self.reshard_after_forward == "always" or (
-            self.reshard_after_forward == "default" and self.pipeline_parallel_degree == 1
-        )
+        ``reshard_after_forward``: ``"always"`` only, for now)."""
+        return self.reshard_after_forward == "always"
 
     def _check_non_split_inputs(self) -> None:
         names = self.non_split_inputs

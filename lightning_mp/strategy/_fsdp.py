@@ -30,9 +30,10 @@ and gradients during the step (the sharded layout's saving holds between steps: 
 An evaluation loop gathers once at its start and reshards at its end (:meth:`ShardedStage.start_evaluation`), not
 per batch: no evaluation batch runs a collective, so replicas with different numbers of batches cannot hang.
 
-*Per unit* (``SMPConfig.reshard_after_forward``: ``"always"``, and ``"default"`` at pp=1, as torchtitan's
-``reshard_after_forward_policy``; a string like our other policies, since the third value, ``"default"``, depends
-on pp). Without a pipeline the engine runs the microbatches one after the other in the calling thread, forward
+*Per unit* (``SMPConfig.reshard_after_forward="always"``, at pp=1 only, as torchtitan's
+``reshard_after_forward_policy``; a string like our other policies. torchtitan's ``"default"`` is per unit at pp=1;
+ours is once per step on every layout, until the limits the README lists under "Sharded data parallelism" are
+closed: token-weighted losses and tp are refused with it, frozen units and exceptions mid-step are not handled). Without a pipeline the engine runs the microbatches one after the other in the calling thread, forward
 then backward, the one thread FSDP's hooks expect, and every peer in the same order; so the units keep FSDP's own
 hooks (``fully_shard(unit, reshard_after_forward=True)``) rather than our calls around each unit: they already
 handle what a hand-made version would have to redo (checkpointed forwards replayed in backward, the pre-backward
@@ -45,8 +46,8 @@ end-of-backward callback reduce-scatters its gradients each microbatch; :meth:`S
 the batch. Accumulation: gradients are reduce-scattered per microbatch and summed in the shards' ``.grad`` (as
 FSDP2 does with gradient sync on), not held whole until the window's end (``set_requires_gradient_sync(False)``,
 whose whole gradients would undo the saving); the gradient stash holds the shards (:meth:`ShardedStage.
-step_parameters`), so Lightning's ``zero_grad`` on a window's first batch does not drop them and a token-weighted
-batch divides them by its count; clipping sums the shards' squares as above. Cost per batch of M microbatches and U
+step_parameters`), so Lightning's ``zero_grad`` on a window's first batch does not drop them (a token-weighted
+batch is refused: its division by the replica's count would come after FSDP's average over replicas); clipping sums the shards' squares as above. Cost per batch of M microbatches and U
 units: 2MU + 1 all-gathers and M(U + 1) reduce-scatters, against U + 1 of each per step (``"never"``); peak: the
 root and one or two units whole instead of the stage (``benchmarks/memory.py``). At pp > 1 ``"always"`` is refused
 (``SMPConfig``): a stage runs microbatches on engine threads and serves other stages' calls in an order that can
@@ -160,6 +161,12 @@ def wrap_stage(
     """
     attributes = {fqn: dict(vars(p)) for fqn, p in module.named_parameters() if vars(p)}
     units = [module.get_submodule(fqn) for fqn in wrapping_units(module, stage_of, stage)]
+    if per_unit and not units:
+        raise ValueError(
+            "reshard_after_forward='always' needs FSDP units (blocks in an nn.ModuleList or nn.Sequential) on every "
+            f"stage; stage {stage} has none, so its root's gradients would never be reduce-scattered. Use "
+            "reshard_after_forward='never' (the default)."
+        )
     policy = mixed_precision_policy(precision)
     for unit in units:
         fully_shard(unit, mesh=mesh, reshard_after_forward=per_unit, mp_policy=policy)

@@ -158,6 +158,13 @@ class StepGradients:
             self._stash.end()
             if self._sharded is not None:
                 self._sharded.end_step()
+        if summary is not None and summary.num_tokens is not None and self._sharded and self._sharded.per_unit:
+            raise ValueError(
+                "A token-weighted loss (the step returned `num_tokens`) with reshard_after_forward='always': FSDP "
+                "reduce-scattered each microbatch's gradients before the step could divide by its replica's count, "
+                "so the result would not be the average of the replicas' token means. Use "
+                "reshard_after_forward='never' (the default)."
+            )
         if summary is not None and summary.num_tokens:  # see [Note: token-weighted losses]
             self._stash.scale(1.0 / summary.num_tokens)
 

@@ -119,8 +119,8 @@ def test_fit_matches_one_process(tmp_path, pp, dp, sdp, kwargs, trainer_kwargs):
     plain_kwargs = {k: v for k, v in trainer_kwargs.items() if k != "callbacks_extra"}
     reference = _fit_lm(str(tmp_path / "ref"), None, 1, plain_kwargs)[0]
     results = _fit_lm(str(tmp_path / "smp"), _sdp(pp, sdp, **kwargs), pp * dp, trainer_kwargs)
-    # reshard_after_forward's default: per unit at pp=1, once per step for pipeline stages
-    _assert_matches(results, reference, pp, sdp, per_unit=pp == 1)
+    # reshard_after_forward's default: once per step on every layout
+    _assert_matches(results, reference, pp, sdp)
 
 
 @pytest.mark.parametrize("reshard_after_forward", ["always", "never"])
@@ -236,6 +236,14 @@ def test_token_weighted_loss_matches_one_process(tmp_path):
         torch.testing.assert_close(result["losses"], reference["losses"], **TOL)
         torch.testing.assert_close(result["logged"], reference["logged"], **TOL)
         test_same_maths.assert_state_equal(result["state"], reference["state"])
+
+
+def test_token_weighted_loss_with_per_unit_gathers_is_refused(tmp_path):
+    """Per unit, FSDP reduce-scatters each microbatch before the step could divide by its replica's token count:
+    the step says so instead of training on the wrong average."""
+    strategy = test_same_maths.smp(1, 2, sharded_data_parallel_degree=2, reshard_after_forward="always")
+    with pytest.raises(Exception, match=r"token-weighted loss.*reshard_after_forward='always'.*'never'"):
+        test_same_maths.fit(str(tmp_path / "smp"), "padded", strategy, devices=2)
 
 
 class RecordPrecision(RecordShards):

@@ -103,7 +103,7 @@ def test_delayed_init_materialises_into_the_shards(tmp_path, reference, pp, kwar
             torch.testing.assert_close(value, reference["initial"][name], rtol=0, atol=0, msg=name)
             assert result["held0"][name] == _shard_numel(value, 2, (rank // pp) % 2), f"{name}: a shard at setup"
         assert result["setup_peak"] < result["stage_bytes"], "a rank held its whole stage during setup"
-    _assert_matches(results, reference, pp, 2, per_unit=pp == 1)  # reshard_after_forward's default at pp=1
+    _assert_matches(results, reference, pp, 2)  # reshard_after_forward's default: once per step
 
 
 @pytest.mark.filterwarnings("ignore:.*copying from a non-meta parameter")  # torch's, on the swapped tp modules

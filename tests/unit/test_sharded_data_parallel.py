@@ -27,6 +27,10 @@ from tests.models import TinyLM
             r"differ.*Use reshard_after_forward='never'",
         ),
         ({"reshard_after_forward": True}, r"`reshard_after_forward` must be 'default', 'always' or 'never', got True"),
+        (
+            {"sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2, "reshard_after_forward": "always"},
+            r"reshard_after_forward='always' does not compose with tensor_parallel_degree=2 yet.*'never'",
+        ),
     ],
 )
 def test_config_errors_name_the_value_and_fix(kwargs, match):
@@ -38,10 +42,10 @@ def test_config_errors_name_the_value_and_fix(kwargs, match):
 
 @pytest.mark.parametrize(
     ("pp", "setting", "per_unit"),
-    [(1, "default", True), (2, "default", False), (1, "always", True), (1, "never", False), (2, "never", False)],
+    [(1, "default", False), (2, "default", False), (1, "always", True), (1, "never", False), (2, "never", False)],
 )
-def test_reshard_after_forward_default_is_per_unit_at_pp1_only(pp, setting, per_unit):
-    """torchtitan's default: per-unit gathers without a pipeline, one gather per step for pipeline stages."""
+def test_reshard_after_forward_is_per_unit_only_when_asked(pp, setting, per_unit):
+    """Per-unit gathers only with ``"always"`` (at pp=1); the default gathers once per step on every layout."""
     config = SMPConfig(pipeline_parallel_degree=pp, sharded_data_parallel_degree=2, reshard_after_forward=setting)
     assert config.reshards_after_forward is per_unit
 
