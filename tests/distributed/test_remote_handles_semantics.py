@@ -238,6 +238,8 @@ def _run(rank: int, world: int, schedule: str, nested: bool = False, remote_hand
     for name, step_fn in scenarios.items():
         torch.manual_seed(0)
         model = make_model()
+        if world == 1:  # the sleeps only order calls across processes: the one-process reference needs none
+            _no_sleeps(model)
         if name == "handle_to_checkpointed_local_module":
             set_activation_checkpointing(model.local)
         engine = PipelineEngine(transport, world, schedule=schedule, active_microbatches=2, timeout_s=60,
@@ -245,6 +247,12 @@ def _run(rank: int, world: int, schedule: str, nested: bool = False, remote_hand
         engine.install(model, expand_placement(model, placement if world > 1 else {}))
         results[name] = _train(engine, model, step_fn)
     return results
+
+
+def _no_sleeps(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, (Slow, Caller)):
+            module.seconds = 0.0
 
 
 def _train(engine: PipelineEngine, model: nn.Module, step_fn) -> dict:
@@ -331,9 +339,10 @@ class Caller(nn.Module):
         super().__init__()
         self.fc = nn.Linear(DIM, DIM)
         self.shared = shared  # the same module as the model's ``shared``: one module, two names, one stage
+        self.seconds = SLOW_S
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(SLOW_S)  # the driver's direct call of ``shared`` would overtake this one's
+        time.sleep(self.seconds)  # the driver's direct call of ``shared`` would overtake this one's
         return self.shared(self.fc(x))
 
 
@@ -379,12 +388,16 @@ def one_module_from_two_callers(m: Nested, x: torch.Tensor) -> torch.Tensor:
 NESTED_SCENARIOS = {f.__name__: f for f in (call_cycle, one_module_from_two_callers)}
 
 
+@pytest.fixture(scope="module")
+def nested_reference() -> dict:
+    return run_distributed(_run, 1, "interleaved", True)[0]
+
+
 @pytest.mark.parametrize("remote_handles", [True, False])
-def test_nested_calls_match_one_process(remote_handles):
-    reference = run_distributed(_run, 1, "interleaved", True)[0]
+def test_nested_calls_match_one_process(nested_reference, remote_handles):
     results = run_distributed(_run, 3, "interleaved", True, remote_handles)
     for scenario in NESTED_SCENARIOS:
-        _assert_equal(reference[scenario], [r[scenario] for r in results], NESTED_PLACEMENT)
+        _assert_equal(nested_reference[scenario], [r[scenario] for r in results], NESTED_PLACEMENT)
 
 
 def _stale(rank: int, world: int, where: str) -> list[str]:
@@ -472,7 +485,7 @@ def _after_a_failed_step(rank: int, world: int) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     outcome, losses = [], []
     for index in range(3):
-        model.slow.seconds = 2.0 if index == 0 else 0.0  # outlasts the failed step's close (0.5 s)
+        model.slow.seconds = 2.0 if index == 0 and world > 1 else 0.0  # outlasts the failed step's close (0.5 s)
 
         def step(mb: torch.Tensor, i: int) -> torch.Tensor:
             h = model.inp(mb)
@@ -481,7 +494,7 @@ def _after_a_failed_step(rank: int, world: int) -> dict:
                 model.drop(model.pair(h)[0])
                 model.two(h, h)
                 raise ValueError("the step fails here")
-            if index == 1 and i == 0:
+            if index == 1 and i == 0 and world > 1:
                 time.sleep(2.5)  # step 1 is still running when step 0's queued calls are answered
             return model.out(model.two(model.pair(h)[0], h)).mean()
 
