@@ -78,11 +78,37 @@ def test_configs_exist():
     assert {"gpt_pp2.yaml", "gpt_pp2_dp2.yaml", "gpt_pp2_timeline.yaml", "gpt_single.yaml"} <= names
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=[path.stem for path in CONFIGS])
-def test_shipped_config_parses(config):
-    result = _run(["fit", "--config", str(config), "--print_config"], timeout=120)
+_PRINT_EACH_CONFIG = """
+import contextlib, io, json, sys
+from lightning_mp.cli import main
+results = {}
+for config in sys.argv[1:]:
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(["fit", "--config", config, "--print_config"])
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else (exit_.code is not None)
+    results[config] = {"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def printed_configs() -> dict[str, dict]:
+    """``lightning-mp fit --config CONFIG --print_config`` (its entry point, ``lightning_mp.cli.main``) for every
+    shipped config in one process: each result's return code, stdout and stderr, by config path."""
+    result = subprocess.run([sys.executable, "-c", _PRINT_EACH_CONFIG, *map(str, CONFIGS)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "class_path:" in result.stdout
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[path.stem for path in CONFIGS])
+def test_shipped_config_parses(printed_configs, config):
+    result = printed_configs[str(config)]
+    assert result["returncode"] == 0, result["stderr"][-3000:]
+    assert "class_path:" in result["stdout"]
 
 
 def test_help_lists_consolidate():
