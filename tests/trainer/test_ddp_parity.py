@@ -305,11 +305,11 @@ def test_full_checkpoint_file_gathers_sharded_optimizer_state(tmp_path, lm_refer
     """ZeRO-1 at dp=2 with save_distributed_checkpoint=False: the file holds every parameter's Adam state (gathered
     over the data-parallel ranks) as one device writes it, and a ZeRO run resumes from it as one device resumes.
     (Each replica reads its half of the global batch, as in test_strategy: the mean over replicas is one device's.)"""
-    strategy = lightning_mp.SMPStrategy(start_method="spawn", save_distributed_checkpoint=False, shard_optimizer_state=True)
+    strategy = lightning_mp.SMPStrategy(start_method="fork", save_distributed_checkpoint=False, shard_optimizer_state=True)
     _fit_lm(tmp_path / "zero", tmp_path / "ck", strategy, 2, STEPS)
     got, expected = (torch.load(p, weights_only=False) for p in (tmp_path / "ck" / "last.ckpt", lm_reference["last"]))
     _assert_same_checkpoint(got, expected)
-    strategy = lightning_mp.SMPStrategy(start_method="spawn", save_distributed_checkpoint=False, shard_optimizer_state=True)
+    strategy = lightning_mp.SMPStrategy(start_method="fork", save_distributed_checkpoint=False, shard_optimizer_state=True)
     resumed = _fit_lm(tmp_path / "zero2", tmp_path / "ck2", strategy, 2, 2 * STEPS, ckpt_path=tmp_path / "ck" / "last.ckpt")
     reference = lm_reference["resumed"]
     mean_losses = torch.tensor([result["losses"] for result in resumed]).mean(0).tolist()
@@ -322,7 +322,7 @@ def test_full_checkpoint_file_gathers_sharded_optimizer_state(tmp_path, lm_refer
 def test_plain_lightning_checkpoint_resumes_under_smp_pp2(tmp_path, lm_reference):
     """A one-device Lightning checkpoint (weights, Adam state, loops) resumes an smp pp=2 run, as on one device."""
     reference = lm_reference["resumed"]
-    strategy = lightning_mp.SMPStrategy(pipeline_parallel_degree=2, microbatches=2, start_method="spawn")
+    strategy = lightning_mp.SMPStrategy(pipeline_parallel_degree=2, microbatches=2, start_method="fork")
     resumed = _fit_lm(tmp_path / "smp", tmp_path / "ck", strategy, 2, 2 * STEPS, ckpt_path=lm_reference["last"])
     for result in resumed:
         torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-5, atol=1e-6)
@@ -374,7 +374,7 @@ def test_precision_matches_one_device(tmp_path, precision):
     for pp in (1, 2):
         out = tmp_path / f"pp{pp}"
         out.mkdir()
-        strategy = lightning_mp.SMPStrategy(pipeline_parallel_degree=pp, microbatches=2, start_method="spawn")
+        strategy = lightning_mp.SMPStrategy(pipeline_parallel_degree=pp, microbatches=2, start_method="fork")
         # dp=1: with dp > 1 each replica's loss is the mean over its shard, so fp16 gradients are dp times larger
         # than one device's and overflow at another step (as under ddp); pipelining alone must change nothing.
         results = _fit("mlp", str(out), strategy, devices=pp, callbacks_extra=[RecordScale(str(out))],

@@ -119,7 +119,7 @@ def test_fit_matches_one_process(tmp_path, model_name, pp, dp, microbatches, sch
     os.makedirs(tmp_path / "smp")
     reference = _fit(model_name, str(tmp_path / "ref"), **trainer_kwargs)[0]
     strategy = lightning_mp.SMPStrategy(
-        pipeline_parallel_degree=pp, microbatches=microbatches, pipeline=schedule, start_method="spawn", **plan_kwargs
+        pipeline_parallel_degree=pp, microbatches=microbatches, pipeline=schedule, start_method="fork", **plan_kwargs
     )
     results = _fit(model_name, str(tmp_path / "smp"), strategy, devices=pp * dp, **trainer_kwargs)
     if plan_kwargs is ALTERNATING:
@@ -253,7 +253,7 @@ def test_validate_test_predict_match_one_process(tmp_path):
     expected_pred = torch.cat(plain.predict(reference_model))
 
     def trainer():
-        strategy = lightning_mp.SMPStrategy(pipeline_parallel_degree=2, microbatches=4, start_method="spawn")
+        strategy = lightning_mp.SMPStrategy(pipeline_parallel_degree=2, microbatches=4, start_method="fork")
         return L.Trainer(
             accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_progress_bar=False,
             use_distributed_sampler=False, callbacks=[SavePredictions(str(tmp_path))],
@@ -285,7 +285,7 @@ def test_manual_optimization_is_a_clear_error():
 
 
 def test_indivisible_training_batch_fails_at_setup_on_every_rank():
-    strategy = lightning_mp.SMPStrategy(pipeline_parallel_degree=2, microbatches=3, start_method="spawn")
+    strategy = lightning_mp.SMPStrategy(pipeline_parallel_degree=2, microbatches=3, start_method="fork")
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False, use_distributed_sampler=False
     )
@@ -299,7 +299,7 @@ def test_bf16_mixed_matches_one_process(tmp_path):
         os.makedirs(tmp_path / name)
     fp32 = _fit("mlp", str(tmp_path / "ref32"))[0]
     reference = _fit("mlp", str(tmp_path / "ref"), precision="bf16-mixed")[0]
-    strategy = lightning_mp.SMPStrategy(pipeline_parallel_degree=2, microbatches=2, start_method="spawn")
+    strategy = lightning_mp.SMPStrategy(pipeline_parallel_degree=2, microbatches=2, start_method="fork")
     results = _fit("mlp", str(tmp_path / "smp"), strategy, devices=2, precision="bf16-mixed")
     # The first loss (before any update) is computed by both stages: it must be the bf16 value, not the fp32 one.
     assert abs(reference["losses"][0] - fp32["losses"][0]) > 1e-5, "bf16 changes the loss of this model"
@@ -317,7 +317,7 @@ def test_manual_placement_summary_and_plan_reuse(tmp_path):
         os.makedirs(tmp_path / name)
     reference = _fit("placed", str(tmp_path / "ref"))[0]
     strategy = lightning_mp.SMPStrategy(
-        pipeline_parallel_degree=2, microbatches=2, start_method="spawn", trace_execution_times=True
+        pipeline_parallel_degree=2, microbatches=2, start_method="fork", trace_execution_times=True
     )
     summary = lightning_mp.PartitionSummary()
     first = _fit("placed", str(tmp_path / "first"), strategy, devices=2, callbacks_extra=[summary],
@@ -327,7 +327,7 @@ def test_manual_placement_summary_and_plan_reuse(tmp_path):
     assert (tmp_path / "logs" / "partition.png").stat().st_size > 1000
     plan_file = tmp_path / "logs" / "partition.json"
     reused = lightning_mp.SMPStrategy(
-        pipeline_parallel_degree=2, microbatches=2, start_method="spawn", partition_plan=str(plan_file)
+        pipeline_parallel_degree=2, microbatches=2, start_method="fork", partition_plan=str(plan_file)
     )
     second = _fit("placed", str(tmp_path / "second"), reused, devices=2)
     for rank in range(2):
