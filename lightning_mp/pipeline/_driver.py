@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from lightning_mp.pipeline._core import SessionCore
-from lightning_mp.pipeline._handles import materialize
+from lightning_mp.pipeline._handles import RemoteValue, materialize
 from lightning_mp.pipeline._messages import POLL_S, Kind, Phase, StepEnd, Task, as_task
 from lightning_mp.pipeline._outputs import OutputStore
 from lightning_mp.pipeline._state import OrderedStateUpdates
@@ -124,6 +124,8 @@ class Driver:
                 self.core.token.release()  # backwards still wait for this forward to arrive
                 wave.arrive_and_wait()
             return None
+        if _loss_chain(loss, step) is not None:  # fetched with its backward ([Note: the loss's fetch and backward
+            return loss  # in one exchange] in ``_caller.py``); so are the outputs, after it
         loss = materialize(loss)
         step.outputs[index] = materialize(step.outputs[index])
         return loss
@@ -141,6 +143,10 @@ class Driver:
         with as_task(back):
             try:
                 self.state_updates.finalize(index)
+                chain = _loss_chain(loss, step)
+                if chain is not None:
+                    loss = loss._rv_session.fetch_with_backward(chain)
+                    step.outputs[index] = materialize(step.outputs[index])
                 self.backward([loss], [None])
                 self._finish_microbatch(index, None)
             finally:
@@ -190,6 +196,13 @@ class Driver:
             self.core.tell_done(index)
             self.store.free(index)
         return output
+
+
+def _loss_chain(loss: Any, step: _Step) -> list[RemoteValue] | None:
+    """The handles a training step's loss is fetched with in its backward's exchange, or ``None`` (no such loss)."""
+    if type(loss) is not RemoteValue or step.inference or not step.grad_enabled:
+        return None
+    return loss._rv_loss_chain()
 
 
 class _WaveBarrier:

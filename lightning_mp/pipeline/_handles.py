@@ -50,8 +50,9 @@ from lightning_mp.pipeline._recorded import (
     _META_METHODS,
     _OWNER_FUNCTIONS,
     _REMOTE_TYPES,
-    _SMALL_ARGUMENTS_NBYTES,
+    _SCALINGS,
     _SELF,
+    _SMALL_ARGUMENTS_NBYTES,
     _VIEW_METHODS,
     _autocast_on,
     _fetch_metadata,
@@ -155,23 +156,44 @@ class RemoteValue:
             return self._rv_value
         with self._rv_lock:
             if not self._rv_fetched:
-                if self._rv_fetched_above() or self._rv_local or (self._rv_has_op and self._rv_touched[0]):
+                if not self._rv_owner_computes():
                     # a part of a fetched value, or shape ops: index / apply them here (a view of a tensor)
                     value = _step(self._rv_parent._rv_materialize(), self._rv_path[-1])
                 else:
                     if self._rv_op is None:  # an op's result is a new value: nothing here can change the owner's
                         self._rv_touched[0] = True
-                    depth, value = self._rv_session.fetch(self)
-                    if depth < len(self._rv_path):  # the owner sent the value this is a part of (not a container)
-                        owner_of = self
-                        while len(owner_of._rv_path) > depth:
-                            owner_of = owner_of._rv_parent
-                        owner_of._rv_value, owner_of._rv_fetched = owner_of._rv_adopt(value), True
-                        value = _step(self._rv_parent._rv_materialize(), self._rv_path[-1])
-                    else:
-                        value = self._rv_adopt(value)
+                    self._rv_take(*self._rv_session.fetch(self))
+                    return self._rv_value
                 self._rv_value, self._rv_fetched = value, True
         return self._rv_value
+
+    def _rv_owner_computes(self) -> bool:
+        """Does fetching this (unfetched) handle ask its owner, rather than index or apply ops to a value here?"""
+        return not (self._rv_fetched_above() or self._rv_local or (self._rv_has_op and self._rv_touched[0]))
+
+    def _rv_take(self, depth: int, value: Any) -> None:
+        """Hold ``value``, what the owner sent for this handle's path up to key ``depth`` (lock held)."""
+        if depth < len(self._rv_path):  # the owner sent the value this is a part of (not a container)
+            owner_of = self
+            while len(owner_of._rv_path) > depth:
+                owner_of = owner_of._rv_parent
+            owner_of._rv_value, owner_of._rv_fetched = owner_of._rv_adopt(value), True
+            value = _step(self._rv_parent._rv_materialize(), self._rv_path[-1])
+        else:
+            value = self._rv_adopt(value)
+        self._rv_value, self._rv_fetched = value, True
+
+    def _rv_loss_chain(self) -> list[RemoteValue] | None:
+        """The handles whose values one exchange fetches with the backward of this one ([Note: the loss's fetch and
+        backward in one exchange] in ``_caller.py``): its ancestors from the first of the function ops its path ends
+        in (the loss) to itself (a scaled loss); ``None`` where this handle is no loss its owner would compute."""
+        if (type(self) is not RemoteValue or self._rv_fetched or self._rv_op is None or self._rv_op.kind != "function"
+                or not self._rv_grad_enabled or not self._rv_owner_computes()):
+            return None
+        chain = [self]
+        while (parent := chain[-1]._rv_parent)._rv_op is not None and parent._rv_op.kind == "function":
+            chain.append(parent)
+        return chain[::-1]
 
     def _rv_is_tensor(self) -> bool:
         """Is the value a tensor? Known from the module's class, else asked of the owner (one small round trip; the value
@@ -345,6 +367,11 @@ class RemoteValue:
 
 def _binary(name: str) -> Any:
     def method(self: RemoteValue, other: Any) -> Any:
+        scaling = _SCALINGS.get(name)
+        if (scaling is not None and type(other) in (int, float) and self._rv_op is not None
+                and self._rv_op.kind == "function" and self._rv_may_record(())):  # a scaled loss: on the owner
+            args = (other, _SELF) if name == "__rmul__" else (_SELF, other)
+            return self._rv_record(_Op("function", scaling, args, {}, torch.is_grad_enabled()))
         return getattr(self._rv_materialize(), name)(materialize(other))
 
     method.__name__ = name
