@@ -252,6 +252,9 @@ class Caller:
         gradients, so ``loss.backward()`` runs as before with no message; the step's outputs are fetched after,
         and the handles they hold have their values already. Where the owner's value is no scalar that needs a
         gradient, it answers as a GET, and the backward here raises or sends a FETCH_BACKWARD as it would have.
+        Messages per microbatch where the last stage holds the loss (an ``nn.Sequential`` cut in two): the driver's
+        one-way CALL and GET_BACKWARD, the owner's one REPLY; 3 where they were 5 (CALL, GET, FETCH_BACKWARD, two
+        REPLYs), and torch's 1F1B sends 2 (the activation, its gradient).
 
         Returns:
             The loss, a tensor of this stage's autograd graph.

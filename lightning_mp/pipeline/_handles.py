@@ -64,7 +64,7 @@ from lightning_mp.pipeline._recorded import (
     owner_path,
 )
 
-__all__ = ["RemoteValue", "materialize"]
+__all__ = ["RemoteValue", "materialize", "owner_computes_loss"]
 
 _packing = threading.local()  # set while a request is packed for one stage: which handles may go as references
 
@@ -437,6 +437,13 @@ def materialize(tree: Any) -> Any:
     if type(tree) in (tuple, list, dict) and not tree:
         return tree
     return pytree.tree_map(lambda v: v._rv_materialize() if _is_remote(v) else v, tree, is_leaf=_is_remote)
+
+
+def owner_computes_loss(value: Any) -> bool:
+    """Whether ``value`` is a handle for a loss that its owner computes (a loss function recorded on a remote output,
+    and the scalings by Python numbers recorded on it: [Note: the loss where the logits are]); scaling it by a Python
+    number sends nothing, and a training step fetches it with its backward in one exchange."""
+    return type(value) is RemoteValue and value._rv_loss_chain() is not None
 
 
 def _fetch_module_inputs(module: Any, args: tuple) -> tuple | None:
