@@ -2,9 +2,9 @@
 
 :class:`OutputStore` keeps what this stage computed for its callers until they are done with it: the output of
 every one-way call (a future, as ("ok", value) or ("error", text)), the leaves each call made of the caller's
-data, the fetched values awaiting their backward. It runs the three requests that work on that state (a one-way
-call, a fetch, the backward of a fetch, a loss's fetch with its backward), resolves references to its outputs, and drops a microbatch's values once
-the driver has finished it and every request of it received so far has run.
+data, the fetched values awaiting their backward. It runs the four requests that work on that state (a one-way
+call, a fetch, the backward of a fetch, a loss's fetch with its backward), resolves references to its outputs,
+and drops a microbatch's values once the driver has finished it and every request of it received so far has run.
 """
 
 from __future__ import annotations
