@@ -261,10 +261,10 @@ def main() -> None:
 
     rows = []
     single = {t: median_ms(one_process(t, args.steps, args.batch_size)) for t in (1, 2)}
-    rows += [(f"one process, {t} thread{'s' if t > 1 else ''}", single[t], "", "", "", "", "", "") for t in (1, 2)]
+    rows += [(f"one process, {t} thread{'s' if t > 1 else ''}", single[t], "", "", "", "", "", "", "") for t in (1, 2)]
     m = args.microbatches
     ideal = single[1] / 2 * (m + 1) / m
-    rows.append((f"ideal 2-stage pipeline, M={m}", ideal, "", "", "", "", "", ""))
+    rows.append((f"ideal 2-stage pipeline, M={m}", ideal, "", "", "", "", "", "", ""))
     compute = []  # (schedule, handles, engine compute / one-process compute of the same microbatches)
     for schedule in args.schedules:
         both = pipeline(args.steps, m, schedule, args.batch_size, args.data_plane, args.malloc)
