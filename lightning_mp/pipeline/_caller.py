@@ -87,14 +87,18 @@ class _ReceivedGradients:
 
     label: str
     upstream: list[tuple[CallId, int]]  # (call_id, how many caller tensors that call sent as data)
-    grads: list[list[torch.Tensor | None]]  # per upstream call, from the owner
+    grads: list[list[torch.Tensor | None]] | None  # per upstream call, from the owner; None once handed back
 
     def run_backward(self, grad_outputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         seeded = [g is not None and torch.equal(g, torch.ones_like(g)) for g in grad_outputs]
+        grads, self.grads = self.grads, None  # handed back once: nothing of the backward outlives it here
+        if grads is None:
+            raise PipelineError(f"The loss {self.label!r} was backpropagated twice; its backward ran on its owner"
+                                " stage once, with the pipelined step's own backward.")
         if not seeded[-1] or any(seeded[:-1]):  # the owner ran the backward of ``loss.backward()`` only
-            raise PipelineError(f"internal: the loss {self.label!r}, already backed on its owner, got another"
-                                " gradient here")
-        return _flat_gradients(self.label, self.upstream, self.grads)
+            raise PipelineError(f"internal: the loss {self.label!r}, already backpropagated on its owner, got"
+                                " another gradient here")
+        return _flat_gradients(self.label, self.upstream, grads)
 
 
 def _flat_gradients(label: str, upstream: list[tuple[CallId, int]], parts: list) -> list[torch.Tensor | None]:

@@ -36,10 +36,12 @@ it inspects.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -64,9 +66,25 @@ from lightning_mp.pipeline._recorded import (
     owner_path,
 )
 
-__all__ = ["RemoteValue", "materialize", "owner_computes_loss"]
+__all__ = ["RemoteValue", "materialize", "owner_computes_loss", "recording_loss_scalings"]
 
 _packing = threading.local()  # set while a request is packed for one stage: which handles may go as references
+_loss_scalings = threading.local()  # ``on`` while the driver's loss function runs (``recording_loss_scalings``)
+
+
+@contextlib.contextmanager
+def recording_loss_scalings() -> Iterator[None]:
+    """While active (the driver's ``loss_fn``), a loss recorded on a handle and scaled by a Python number
+    (``loss / microbatches``, ``loss * grad_scale``) is scaled on its owner, so the driver can fetch it with its
+    backward in one exchange ([Note: the loss's fetch and backward in one exchange] in ``_caller.py``). Elsewhere,
+    in the user's step, such arithmetic fetches the loss, as any other: eager results, in-place changes after it
+    included, and a ``torch.Tensor`` to inspect."""
+    previous = getattr(_loss_scalings, "on", False)
+    _loss_scalings.on = True
+    try:
+        yield
+    finally:
+        _loss_scalings.on = previous
 
 
 class _PackingFor:
@@ -190,8 +208,9 @@ class RemoteValue:
         if (type(self) is not RemoteValue or self._rv_fetched or self._rv_op is None or self._rv_op.kind != "function"
                 or not self._rv_grad_enabled or not self._rv_owner_computes()):
             return None
-        chain = [self]
-        while (parent := chain[-1]._rv_parent)._rv_op is not None and parent._rv_op.kind == "function":
+        chain = [self]  # the scalings, up to the loss (only the loss and its scalings come back: small values)
+        while (chain[-1]._rv_op.target in _SCALINGS.values() and (parent := chain[-1]._rv_parent)._rv_op is not None
+               and parent._rv_op.kind == "function"):
             chain.append(parent)
         return chain[::-1]
 
@@ -368,7 +387,8 @@ class RemoteValue:
 def _binary(name: str) -> Any:
     def method(self: RemoteValue, other: Any) -> Any:
         scaling = _SCALINGS.get(name)
-        if (scaling is not None and type(other) in (int, float) and self._rv_op is not None
+        if (scaling is not None and getattr(_loss_scalings, "on", False) and type(other) in (int, float)
+                and self._rv_op is not None
                 and self._rv_op.kind == "function" and self._rv_may_record(())):  # a scaled loss: on the owner
             args = (other, _SELF) if name == "__rmul__" else (_SELF, other)
             return self._rv_record(_Op("function", scaling, args, {}, torch.is_grad_enabled()))

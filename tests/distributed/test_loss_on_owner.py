@@ -153,3 +153,42 @@ def test_loss_fetch_and_backward_take_one_exchange_per_microbatch():
     for driver, owner in zip(results[0]["kinds"], results[1]["kinds"]):
         assert driver == {"call": 4, "getbwd": 4, "end": 1, "close": 1}, driver  # was a GET and a FETCH_BACKWARD each
         assert owner == {"reply": 4, "close": 1}, owner
+
+
+WIDE = 512  # a classifier's output width: its logits (N x WIDE floats) must not travel
+
+
+def _wide() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, WIDE))
+
+
+def _wide_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(N, 8, generator=g), torch.randint(0, WIDE, (N,), generator=g)
+
+
+def _nll_of_log_softmax(model, batch, log) -> torch.Tensor:
+    x, y = batch
+    return F.nll_loss(F.log_softmax(model(x), -1), y)
+
+
+def _scaled_then_changed_in_place(model, batch, log) -> torch.Tensor:
+    x, y = batch
+    loss = F.cross_entropy(model(x), y)
+    scaled = loss * 2.0  # eager: computed before the next line changes ``loss``
+    loss.add_(1.0)
+    return scaled
+
+
+@pytest.mark.parametrize("step", [_nll_of_log_softmax, _scaled_then_changed_in_place])
+def test_only_the_loss_and_its_scalings_come_back(step):
+    """The exchange that fetches a loss with its backward sends back the loss and the scalings of it, never the
+    function ops it was taken from (``log_softmax``'s N x WIDE output); and arithmetic on a loss in the user's own
+    step stays eager (a later in-place change does not reach a value computed before it): both match one process."""
+    results = run_distributed(_pipelined, 2, step, _wide, {"2": 1}, MICROBATCHES, 2, _wide_batch)
+    _assert_matches(results, _reference(step, _wide, MICROBATCHES, _wide_batch))
+    for owner_bytes in results[1]["bytes"]:  # was 17,940 with log_softmax's output sent back
+        assert owner_bytes < N * WIDE * 4 / 4, owner_bytes
+    if step is _nll_of_log_softmax:
+        for driver in results[0]["kinds"]:
+            assert driver == {"call": MICROBATCHES, "getbwd": MICROBATCHES, "end": 1, "close": 1}, driver
