@@ -16,7 +16,8 @@ and minor page faults per step of each process (``getrusage``, all threads). "M=
 engine's compute: the same microbatches one after the other (forward, backward) in one thread of rank 0's
 process while rank 1 waits, alternating step by step with the pipeline; the last lines give the engine's compute
 (busy s0 + s1; in wall and in thread CPU time: ``TokenCPU``) and CPU time (both processes) per step against it.
-The KiB column is what each process sends per microbatch (pickles and tensor bytes, ``PipelineEngine.bytes_sent``);
+The KiB column is what each process sends per microbatch (pickles and tensor bytes, ``PipelineEngine.bytes_sent``),
+the messages column how many messages (``PipelineEngine.messages_sent``, the step's "end" and "close" included);
 ``--tied-weights replicate`` plans the tied embedding/head apart (the head and the loss on stage 1), the default
 co-locates them on stage 0. The ranks run under ``SMPStrategy``'s malloc policy (``--malloc glibc``: glibc's default; [Note: engine threads and glibc malloc] in
 ``lightning_mp/memory/_host.py``); the one-process rows in the launching process under glibc's default (plain
@@ -210,10 +211,12 @@ def _pipeline_rank(
         out = {}
         for handles, (model, engine, result) in variants.items():
             sent = engine.messages_sent
-            trips = ((sent["get"] + sent["fwd"]) / steps / microbatches, (sent["gbwd"] + sent["bwd"]) / steps / microbatches)
+            backward_trips = sent["gbwd"] + sent["bwd"] + sent["getbwd"]  # a loss's fetch rides with its backward
+            trips = ((sent["get"] + sent["fwd"]) / steps / microbatches, backward_trips / steps / microbatches)
             kib = sum(engine.bytes_sent.values()) / 1024 / steps / microbatches
+            messages = sum(sent.values()) / steps / microbatches
             calls = (sent["call"] + sent["fwd"]) / steps  # one-way calls and calls that wait for their outputs
-            out[handles] = {**result, "calls": calls, "trips": trips, "kib": kib}
+            out[handles] = {**result, "calls": calls, "trips": trips, "kib": kib, "messages": messages}
         out["reference"] = reference
         torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
     finally:
@@ -258,17 +261,17 @@ def main() -> None:
 
     rows = []
     single = {t: median_ms(one_process(t, args.steps, args.batch_size)) for t in (1, 2)}
-    rows += [(f"one process, {t} thread{'s' if t > 1 else ''}", single[t], "", "", "", "", "", "") for t in (1, 2)]
+    rows += [(f"one process, {t} thread{'s' if t > 1 else ''}", single[t], "", "", "", "", "", "", "") for t in (1, 2)]
     m = args.microbatches
     ideal = single[1] / 2 * (m + 1) / m
-    rows.append((f"ideal 2-stage pipeline, M={m}", ideal, "", "", "", "", "", ""))
+    rows.append((f"ideal 2-stage pipeline, M={m}", ideal, "", "", "", "", "", "", ""))
     compute = []  # (schedule, handles, engine compute / one-process compute of the same microbatches)
     for schedule in args.schedules:
         both = pipeline(args.steps, m, schedule, args.batch_size, args.data_plane, args.malloc)
         reference = both[0]["reference"]
         faults = f"{statistics.median(reference['faults'][warmup:]):.0f} / -"
         name = f"one process, 1 thread, M={m} in turn ({schedule} run)"
-        rows.append((name, median_ms(reference["times"]), "", "", "", "", faults, ""))
+        rows.append((name, median_ms(reference["times"]), "", "", "", "", faults, "", ""))
         for handles in (True, False):
             results = [r[handles] for r in both]
             busy = " / ".join(f"{median_ms(r['busy']):.0f}" for r in results)
@@ -277,8 +280,9 @@ def main() -> None:
             faults = " / ".join(f"{statistics.median(r['faults'][warmup:]):.0f}" for r in results)
             name = f"lightning_mp pp=2 {schedule}{'' if handles else ' eager'}, M={m}"
             kib = " / ".join(f"{r['kib']:.0f}" for r in results)
+            messages = " / ".join(f"{r['messages']:.1f}" for r in results)
             calls = f"{results[0]['calls']:.0f}"
-            rows.append((name, median_ms(results[0]["times"]), busy, calls, trips, switches, faults, kib))
+            rows.append((name, median_ms(results[0]["times"]), busy, calls, trips, switches, faults, kib, messages))
             busy_sum = sum(median_ms(r["busy"]) for r in results)
             busy_cpu_sum = sum(median_ms(r["busy_cpu"]) for r in results)
             cpu_sum = sum(median_ms(r["cpu"]) for r in results)
@@ -290,11 +294,12 @@ def main() -> None:
     print(
         f"{'setup':<48} {'ms/step':>8} {'vs 2-thread':>11} {'% of ideal':>10} {'busy ms s0/s1':>14} {'remote calls':>12}"
         f" {'round trips/mb f/b':>18} {'ctx sw/step r0/r1':>18} {'minflt/step r0/r1':>18} {'KiB sent/mb r0/r1':>18}"
+        f" {'messages/mb r0/r1':>18}"
     )
-    for name, ms, busy, calls, trips, switches, faults, kib in rows:
+    for name, ms, busy, calls, trips, switches, faults, kib, messages in rows:
         print(
             f"{name:<48} {ms:8.1f} {single[2] / ms:10.2f}x {100 * ideal / ms:9.0f}% {busy:>14} {calls:>12} {trips:>18}"
-            f" {switches:>18} {faults:>18} {kib:>18}"
+            f" {switches:>18} {faults:>18} {kib:>18} {messages:>18}"
         )
     print(
         "\nthe engine against the same microbatches in one thread of rank 0's process (same run): compute spans (busy"

@@ -10,7 +10,9 @@ Every method runs forward + backward of one batch (no optimizer step) with the M
   is measured under the same conditions and alternates with the others).
 - ``lightning_mp simple`` / ``interleaved``: our module-server engine (``pipeline="simple"`` is GPipe with
   ``active_microbatches=M``, ``"interleaved"`` orders ready work as 1F1B would, with the default
-  ``active_microbatches=pp+2``; ``interleaved a2`` caps it at ``pp``); the driver runs the loss on stage 0.
+  ``active_microbatches=pp+2``; ``interleaved a2`` caps it at ``pp``); the loss, recorded on the last block's output,
+  runs on stage 1, and is fetched with its backward in one exchange per microbatch ([Note: the loss's fetch and
+  backward in one exchange]).
 - ``... loop``: the same blocks in an ``nn.ModuleList`` called from a Python loop (``for block in self.blocks:
   x = block(x)``, as Hugging Face models are written), each remote block its own call; ``interl. loop eager`` is
   that with ``remote_handles=False`` (every remote call waits for its outputs: one round trip per block, as

@@ -10,7 +10,7 @@ buffer updates, random streams), ``_timeline``, ``_microbatch``.
 """
 
 from lightning_mp.pipeline._engine import PipelineEngine, PipelineError, PipelineSession
-from lightning_mp.pipeline._handles import RemoteValue, materialize
+from lightning_mp.pipeline._handles import RemoteValue, materialize, owner_computes_loss
 from lightning_mp.pipeline._messages import current_task
 from lightning_mp.pipeline._microbatch import (
     MicrobatchSplit,
@@ -35,6 +35,7 @@ __all__ = [
     "global_generators",
     "materialize",
     "merge_microbatches",
+    "owner_computes_loss",
     "same_rng_states",
     "set_rng_states",
     "split_batch",

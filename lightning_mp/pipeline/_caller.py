@@ -26,6 +26,7 @@ from lightning_mp.pipeline._messages import (
     CallId,
     CallRequest,
     FetchBackwardRequest,
+    GetBackwardRequest,
     GetRequest,
     Kind,
     Phase,
@@ -76,13 +77,39 @@ class _FetchBackward:
         body = FetchBackwardRequest(self.label, grad_outputs, [call_id for call_id, _ in self.upstream])
         envelope = self.core.envelope(Kind.FETCH_BACKWARD, self.fetch_id, body, self.microbatch)
         reply = self.core.exchange(self.stage, envelope, task, f"backward of {self.label!r}")
-        grads: list[torch.Tensor | None] = []
-        for (call_id, count), part in zip(self.upstream, reply.obj.body):
-            if len(part) != count:
-                raise PipelineError(f"internal: the owner of {self.label!r} returned {len(part)} gradients of call"
-                                    f" {call_id}, expected {count}")
-            grads.extend(part)
-        return grads
+        return _flat_gradients(self.label, self.upstream, reply.obj.body)
+
+
+@dataclass
+class _ReceivedGradients:
+    """Caller side of a loss whose backward ran on its owner in the exchange that fetched it ([Note: the loss's
+    fetch and backward in one exchange]): its backward hands back the gradients received then."""
+
+    label: str
+    upstream: list[tuple[CallId, int]]  # (call_id, how many caller tensors that call sent as data)
+    grads: list[list[torch.Tensor | None]] | None  # per upstream call, from the owner; None once handed back
+
+    def run_backward(self, grad_outputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        seeded = [g is not None and torch.equal(g, torch.ones_like(g)) for g in grad_outputs]
+        grads, self.grads = self.grads, None  # handed back once: nothing of the backward outlives it here
+        if grads is None:
+            raise PipelineError(f"The loss {self.label!r} was backpropagated twice; its backward ran on its owner"
+                                " stage once, with the pipelined step's own backward.")
+        if not seeded[-1] or any(seeded[:-1]):  # the owner ran the backward of ``loss.backward()`` only
+            raise PipelineError(f"internal: the loss {self.label!r}, already backpropagated on its owner, got"
+                                " another gradient here")
+        return _flat_gradients(self.label, self.upstream, grads)
+
+
+def _flat_gradients(label: str, upstream: list[tuple[CallId, int]], parts: list) -> list[torch.Tensor | None]:
+    """The gradients an owner returned per upstream call, checked against what each call sent, in one list."""
+    grads: list[torch.Tensor | None] = []
+    for (call_id, count), part in zip(upstream, parts):
+        if len(part) != count:
+            raise PipelineError(f"internal: the owner of {label!r} returned {len(part)} gradients of call"
+                                f" {call_id}, expected {count}")
+        grads.extend(part)
+    return grads
 
 
 class Caller:
@@ -182,24 +209,84 @@ class Caller:
         Returns:
             ``(how many keys of the handle's path the owner walked, the value reached)``.
         """
-        label = handle._rv_label
-        if handle._rv_session is not self or self.core.closed:
-            raise PipelineError(
-                f"The output of {label!r} (computed on {self.core.describe(handle._rv_stage)}) was touched"
-                " after its pipelined step ended; only values returned by the step are fetched for you."
-            )
-        self.check_reference(handle)
+        label = self._check_fetch(handle)
         task = current_task() or Task(handle._rv_microbatch, Phase.FORWARD)
         fetch_id = self._next_call_id()
         request = GetRequest(handle._rv_call_id, owner_path(handle._rv_path), label)
         envelope = self.core.envelope(Kind.GET, fetch_id, request, handle._rv_microbatch)
         reply = self.core.exchange(handle._rv_stage, envelope, task, f"the output of {label!r}")
+        return self._connect_fetch(handle, fetch_id, reply).obj.body
+
+    def _check_fetch(self, handle: RemoteValue) -> str:
+        """``handle``'s label, once it may be fetched (see ``check_reference``)."""
+        if handle._rv_session is not self or self.core.closed:
+            raise PipelineError(
+                f"The output of {handle._rv_label!r} (computed on {self.core.describe(handle._rv_stage)}) was"
+                " touched after its pipelined step ended; only values returned by the step are fetched for you."
+            )
+        self.check_reference(handle)
+        return handle._rv_label
+
+    def _connect_fetch(self, handle: RemoteValue, fetch_id: CallId, reply: Any) -> Any:
+        """``reply`` to a fetch of ``handle``, its differentiable tensors connected to autograd by a remote node
+        whose backward is a FETCH_BACKWARD."""
         outputs = [t for t, rg in zip(reply.tensors, reply.requires_grad) if rg and differentiable(t)]
         if outputs and handle._rv_grad_enabled and not torch.is_inference_mode_enabled():
             upstream = handle._rv_upstream
             grad_inputs = [t for tensors in upstream.values() for t in tensors]
-            call = _FetchBackward(self.core, handle._rv_stage, fetch_id, handle._rv_microbatch, label,
+            call = _FetchBackward(self.core, handle._rv_stage, fetch_id, handle._rv_microbatch, handle._rv_label,
                                   [(call_id, len(tensors)) for call_id, tensors in upstream.items()])
             with torch.enable_grad():  # the call ran with grad: connect even if touched under no_grad
                 reply = connected(reply, outputs, connect_remote_outputs(call, grad_inputs, outputs))
-        return reply.obj.body
+        return reply
+
+    def fetch_with_backward(self, chain: list[RemoteValue]) -> Any:
+        """Fetch the loss ``chain[-1]`` (``RemoteValue._rv_loss_chain``) and run its backward on its owner, in one
+        exchange; every handle of ``chain`` then holds its value.
+
+        [Note: the loss's fetch and backward in one exchange] A loss recorded on a handle ([Note: the loss where the
+        logits are] in ``_recorded.py``) is computed on the stage that holds the logits. Fetched in the forward, it
+        cost the driver a GET and, in the backward, a FETCH_BACKWARD carrying the gradient ``1`` that
+        ``loss.backward()`` starts from: two round trips per microbatch. So the driver keeps such a loss
+        unfetched through the forward, and its backward task sends one GET_BACKWARD: the owner computes the loss
+        (and the scalings recorded on it, ``loss / microbatches``), runs its backward from a gradient of ones under
+        that backward task (the same roots, gradients and hooks as the FETCH_BACKWARD did: ordered accumulation,
+        the reducer, the zero-bubble split), and replies with the values and the gradients of the driver's tensors
+        upstream. Here the values are connected to autograd by one remote node whose backward hands back those
+        gradients, so ``loss.backward()`` runs as before with no message; the step's outputs are fetched after,
+        and the handles they hold have their values already. Where the owner's value is no scalar that needs a
+        gradient, it answers as a GET, and the backward here raises or sends a FETCH_BACKWARD as it would have.
+        Messages per microbatch where the last stage holds the loss (an ``nn.Sequential`` cut in two): the driver's
+        one-way CALL and GET_BACKWARD, the owner's one REPLY; 3 where they were 5 (CALL, GET, FETCH_BACKWARD, two
+        REPLYs), and torch's 1F1B sends 2 (the activation, its gradient).
+
+        Returns:
+            The loss, a tensor of this stage's autograd graph.
+        """
+        handle = chain[-1]
+        label = self._check_fetch(handle)
+        task = current_task() or Task(handle._rv_microbatch, Phase.BACKWARD)
+        fetch_id = self._next_call_id()
+        upstream = handle._rv_upstream
+        first = len(chain[0]._rv_path) - 1
+        body = GetBackwardRequest(handle._rv_call_id, owner_path(handle._rv_path), label, first, list(upstream))
+        envelope = self.core.envelope(Kind.GET_BACKWARD, fetch_id, body, handle._rv_microbatch)
+        reply = self.core.exchange(handle._rv_stage, envelope, task, f"the loss {label!r} and its backward")
+        depth, values, grads = reply.obj.body
+        with handle._rv_lock:
+            if grads is None:  # no backward ran there: a plain fetch
+                depth, values, _ = self._connect_fetch(handle, fetch_id, reply).obj.body
+                if depth < len(handle._rv_path):
+                    handle._rv_take(depth, values)
+                    return handle._rv_value
+            else:
+                received = _ReceivedGradients(label, [(call_id, len(tensors)) for call_id, tensors in upstream.items()],
+                                              grads)
+                grad_inputs = [t for tensors in upstream.values() for t in tensors]
+                outputs = [t for t, rg in zip(reply.tensors, reply.requires_grad) if rg and differentiable(t)]
+                with torch.enable_grad():
+                    reply = connected(reply, outputs, connect_remote_outputs(received, grad_inputs, outputs))
+                values = reply.obj.body[1]
+            for link, value in zip(chain, values):
+                link._rv_take(len(link._rv_path), value)
+        return handle._rv_value

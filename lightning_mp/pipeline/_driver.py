@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from lightning_mp.pipeline._core import SessionCore
-from lightning_mp.pipeline._handles import materialize
+from lightning_mp.pipeline._handles import RemoteValue, materialize, recording_loss_scalings
 from lightning_mp.pipeline._messages import POLL_S, Kind, Phase, StepEnd, Task, as_task
 from lightning_mp.pipeline._outputs import OutputStore
 from lightning_mp.pipeline._state import OrderedStateUpdates
@@ -108,27 +108,32 @@ class Driver:
         with torch.inference_mode(step.inference), torch.set_grad_enabled(step.grad_enabled), as_task(forward):
             token.acquire(self.core.priority(forward), self.core.grant_key(forward))
             try:
-                loss = self._forward(step, index, wave)
-                if loss is not None:
-                    self._backward(step, index, loss, wave)
+                forward_result = self._forward(step, index, wave)
+                if forward_result is not None:
+                    self._backward(step, index, *forward_result, wave)
             finally:
                 token.release()  # no-op when the backward released it
 
-    def _forward(self, step: _Step, index: int, wave: _WaveBarrier | None) -> torch.Tensor | None:
-        """The step function and the loss; ``None`` (the microbatch finished) when there is no backward to run."""
+    def _forward(self, step: _Step, index: int, wave: _WaveBarrier | None) -> tuple[Any, list | None] | None:
+        """The step function and the loss, with the handles its backward's exchange fetches (``None`` where it is
+        fetched here); ``None`` (the microbatch finished) when there is no backward to run."""
         step.outputs[index] = step.step_fn(step.microbatches[index], index)
-        loss = step.loss_fn(step.outputs[index]) if step.backward else None
+        with recording_loss_scalings():
+            loss = step.loss_fn(step.outputs[index]) if step.backward else None
         if loss is None:
             step.outputs[index] = self._finish_microbatch(index, step.outputs[index])
             if step.backward and wave is not None:  # no backward here (num_tokens == 0): the wave's other
                 self.core.token.release()  # backwards still wait for this forward to arrive
                 wave.arrive_and_wait()
             return None
+        chain = _loss_chain(loss, step)
+        if chain is not None:  # fetched with its backward ([Note: the loss's fetch and backward in one exchange] in
+            return loss, chain  # ``_caller.py``); so are the outputs, after it
         loss = materialize(loss)
         step.outputs[index] = materialize(step.outputs[index])
-        return loss
+        return loss, None
 
-    def _backward(self, step: _Step, index: int, loss: torch.Tensor, wave: _WaveBarrier | None) -> None:
+    def _backward(self, step: _Step, index: int, loss: Any, chain: list | None, wave: _WaveBarrier | None) -> None:
         token, back = self.core.token, Task(index, Phase.BACKWARD, ident=("mb", index, Phase.BACKWARD))
         if wave is not None:  # "simple": every forward of the wave first
             token.release()
@@ -141,6 +146,9 @@ class Driver:
         with as_task(back):
             try:
                 self.state_updates.finalize(index)
+                if chain is not None:
+                    loss = loss._rv_session.fetch_with_backward(chain)
+                    step.outputs[index] = materialize(step.outputs[index])
                 self.backward([loss], [None])
                 self._finish_microbatch(index, None)
             finally:
@@ -190,6 +198,13 @@ class Driver:
             self.core.tell_done(index)
             self.store.free(index)
         return output
+
+
+def _loss_chain(loss: Any, step: _Step) -> list[RemoteValue] | None:
+    """The handles a training step's loss is fetched with in its backward's exchange, or ``None`` (no such loss)."""
+    if type(loss) is not RemoteValue or step.inference or not step.grad_enabled:
+        return None
+    return loss._rv_loss_chain()
 
 
 class _WaveBarrier:

@@ -128,7 +128,8 @@ class PipelineEngine:
         self.state_updates = OrderedStateUpdates(forward_context)
         self.gradients = OrderedGradients(current_microbatch)
         self.messages_sent: collections.Counter[str] = collections.Counter()
-        """Messages this rank sent, by kind ("call", "get", "gbwd", "fwd", "bwd", "reply", ...), over its lifetime."""
+        """Messages this rank sent, by kind ("call", "get", "gbwd", "getbwd", "fwd", "bwd", "reply", ...), over its
+        lifetime."""
         self.bytes_sent: collections.Counter[str] = collections.Counter()
         """Bytes (pickle and tensor data) this rank sent, by message kind, over its lifetime."""
         self.timeline = TimelineRecorder()

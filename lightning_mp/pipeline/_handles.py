@@ -36,10 +36,12 @@ it inspects.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -50,8 +52,9 @@ from lightning_mp.pipeline._recorded import (
     _META_METHODS,
     _OWNER_FUNCTIONS,
     _REMOTE_TYPES,
-    _SMALL_ARGUMENTS_NBYTES,
+    _SCALINGS,
     _SELF,
+    _SMALL_ARGUMENTS_NBYTES,
     _VIEW_METHODS,
     _autocast_on,
     _fetch_metadata,
@@ -63,9 +66,25 @@ from lightning_mp.pipeline._recorded import (
     owner_path,
 )
 
-__all__ = ["RemoteValue", "materialize"]
+__all__ = ["RemoteValue", "materialize", "owner_computes_loss", "recording_loss_scalings"]
 
 _packing = threading.local()  # set while a request is packed for one stage: which handles may go as references
+_loss_scalings = threading.local()  # ``on`` while the driver's loss function runs (``recording_loss_scalings``)
+
+
+@contextlib.contextmanager
+def recording_loss_scalings() -> Iterator[None]:
+    """While active (the driver's ``loss_fn``), a loss recorded on a handle and scaled by a Python number
+    (``loss / microbatches``, ``loss * grad_scale``) is scaled on its owner, so the driver can fetch it with its
+    backward in one exchange ([Note: the loss's fetch and backward in one exchange] in ``_caller.py``). Elsewhere,
+    in the user's step, such arithmetic fetches the loss, as any other: eager results, in-place changes after it
+    included, and a ``torch.Tensor`` to inspect."""
+    previous = getattr(_loss_scalings, "on", False)
+    _loss_scalings.on = True
+    try:
+        yield
+    finally:
+        _loss_scalings.on = previous
 
 
 class _PackingFor:
@@ -155,23 +174,45 @@ class RemoteValue:
             return self._rv_value
         with self._rv_lock:
             if not self._rv_fetched:
-                if self._rv_fetched_above() or self._rv_local or (self._rv_has_op and self._rv_touched[0]):
+                if not self._rv_owner_computes():
                     # a part of a fetched value, or shape ops: index / apply them here (a view of a tensor)
                     value = _step(self._rv_parent._rv_materialize(), self._rv_path[-1])
                 else:
                     if self._rv_op is None:  # an op's result is a new value: nothing here can change the owner's
                         self._rv_touched[0] = True
-                    depth, value = self._rv_session.fetch(self)
-                    if depth < len(self._rv_path):  # the owner sent the value this is a part of (not a container)
-                        owner_of = self
-                        while len(owner_of._rv_path) > depth:
-                            owner_of = owner_of._rv_parent
-                        owner_of._rv_value, owner_of._rv_fetched = owner_of._rv_adopt(value), True
-                        value = _step(self._rv_parent._rv_materialize(), self._rv_path[-1])
-                    else:
-                        value = self._rv_adopt(value)
+                    self._rv_take(*self._rv_session.fetch(self))
+                    return self._rv_value
                 self._rv_value, self._rv_fetched = value, True
         return self._rv_value
+
+    def _rv_owner_computes(self) -> bool:
+        """Does fetching this (unfetched) handle ask its owner, rather than index or apply ops to a value here?"""
+        return not (self._rv_fetched_above() or self._rv_local or (self._rv_has_op and self._rv_touched[0]))
+
+    def _rv_take(self, depth: int, value: Any) -> None:
+        """Hold ``value``, what the owner sent for this handle's path up to key ``depth`` (lock held)."""
+        if depth < len(self._rv_path):  # the owner sent the value this is a part of (not a container)
+            owner_of = self
+            while len(owner_of._rv_path) > depth:
+                owner_of = owner_of._rv_parent
+            owner_of._rv_value, owner_of._rv_fetched = owner_of._rv_adopt(value), True
+            value = _step(self._rv_parent._rv_materialize(), self._rv_path[-1])
+        else:
+            value = self._rv_adopt(value)
+        self._rv_value, self._rv_fetched = value, True
+
+    def _rv_loss_chain(self) -> list[RemoteValue] | None:
+        """The handles whose values one exchange fetches with the backward of this one ([Note: the loss's fetch and
+        backward in one exchange] in ``_caller.py``): its ancestors from the first of the function ops its path ends
+        in (the loss) to itself (a scaled loss); ``None`` where this handle is no loss its owner would compute."""
+        if (type(self) is not RemoteValue or self._rv_fetched or self._rv_op is None or self._rv_op.kind != "function"
+                or not self._rv_grad_enabled or not self._rv_owner_computes()):
+            return None
+        chain = [self]  # the scalings, up to the loss (only the loss and its scalings come back: small values)
+        while (chain[-1]._rv_op.target in _SCALINGS.values() and (parent := chain[-1]._rv_parent)._rv_op is not None
+               and parent._rv_op.kind == "function"):
+            chain.append(parent)
+        return chain[::-1]
 
     def _rv_is_tensor(self) -> bool:
         """Is the value a tensor? Known from the module's class, else asked of the owner (one small round trip; the value
@@ -345,6 +386,12 @@ class RemoteValue:
 
 def _binary(name: str) -> Any:
     def method(self: RemoteValue, other: Any) -> Any:
+        scaling = _SCALINGS.get(name)
+        if (scaling is not None and getattr(_loss_scalings, "on", False) and type(other) in (int, float)
+                and self._rv_op is not None
+                and self._rv_op.kind == "function" and self._rv_may_record(())):  # a scaled loss: on the owner
+            args = (other, _SELF) if name == "__rmul__" else (_SELF, other)
+            return self._rv_record(_Op("function", scaling, args, {}, torch.is_grad_enabled()))
         return getattr(self._rv_materialize(), name)(materialize(other))
 
     method.__name__ = name
@@ -410,6 +457,13 @@ def materialize(tree: Any) -> Any:
     if type(tree) in (tuple, list, dict) and not tree:
         return tree
     return pytree.tree_map(lambda v: v._rv_materialize() if _is_remote(v) else v, tree, is_leaf=_is_remote)
+
+
+def owner_computes_loss(value: Any) -> bool:
+    """Whether ``value`` is a handle for a loss that its owner computes (a loss function recorded on a remote output,
+    and the scalings by Python numbers recorded on it: [Note: the loss where the logits are]); scaling it by a Python
+    number sends nothing, and a training step fetches it with its backward in one exchange."""
+    return type(value) is RemoteValue and value._rv_loss_chain() is not None
 
 
 def _fetch_module_inputs(module: Any, args: tuple) -> tuple | None:

@@ -30,6 +30,7 @@ __all__ = [
     "Envelope",
     "FetchBackwardRequest",
     "Future",
+    "GetBackwardRequest",
     "GetRequest",
     "Kind",
     "Phase",
@@ -61,7 +62,8 @@ class Kind(Enum):
     CALL = "call"  # a one-way call that returns a handle ([Note: remote handles]; body: CallRequest)
     GET = "get"  # fetch (part of) a CALL's output (body: GetRequest)
     FETCH_BACKWARD = "gbwd"  # the backward of a GET (body: FetchBackwardRequest)
-    REPLY = "reply"  # the answer to a FORWARD, BACKWARD, GET or FETCH_BACKWARD (body: what it computed)
+    GET_BACKWARD = "getbwd"  # a loss's GET and its backward in one exchange (body: GetBackwardRequest)
+    REPLY = "reply"  # the answer to any request but a CALL (body: what it computed)
     ERROR = "error"  # a request failed (body: the error text)
     END = "end"  # the driver finished the step (body: StepEnd)
     CLOSE = "close"  # a stage closes the step: nothing more comes from it
@@ -114,6 +116,20 @@ class FetchBackwardRequest:
 
     label: str
     grad_outputs: list[torch.Tensor | None]
+    upstream: list[CallId]
+
+
+@dataclass(frozen=True)
+class GetBackwardRequest:
+    """Compute (part ``path`` of) the output of call ``call_id``, a loss, and run its backward from a gradient of
+    ones; the reply holds the values after each key of ``path`` from ``first`` on (the loss, then its scalings) and
+    the gradients of every call of ``upstream``'s leaves ([Note: the loss's fetch and backward in one exchange] in
+    ``_caller.py``)."""
+
+    call_id: CallId
+    path: tuple
+    label: str
+    first: int
     upstream: list[CallId]
 
 

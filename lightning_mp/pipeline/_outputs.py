@@ -2,9 +2,9 @@
 
 :class:`OutputStore` keeps what this stage computed for its callers until they are done with it: the output of
 every one-way call (a future, as ("ok", value) or ("error", text)), the leaves each call made of the caller's
-data, the fetched values awaiting their backward. It runs the three requests that work on that state (a one-way
-call, a fetch, the backward of a fetch), resolves references to its outputs, and drops a microbatch's values once
-the driver has finished it and every request of it received so far has run.
+data, the fetched values awaiting their backward. It runs the four requests that work on that state (a one-way
+call, a fetch, the backward of a fetch, a loss's fetch with its backward), resolves references to its outputs,
+and drops a microbatch's values once the driver has finished it and every request of it received so far has run.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from lightning_mp.pipeline._messages import (
     Envelope,
     FetchBackwardRequest,
     Future,
+    GetBackwardRequest,
     GetRequest,
     Kind,
     PipelineError,
@@ -161,9 +162,7 @@ class OutputStore:
     def await_outputs(self, refs: list, what: str) -> None:
         """Wait until the outputs that the references ``refs`` of a request name have been computed here."""
         for ref in refs:
-            self._future(ref._rv_call_id, ref._rv_microbatch).wait(
-                self.core.timeout_s, self.core.raise_if_failed, f"the output of an earlier call, for {what!r}"
-            )
+            self.await_call(ref._rv_call_id, ref._rv_microbatch, what)
 
     def resolve(self, call_id: CallId, path: tuple, microbatch: int) -> Any:
         """This stage's output of ``call_id``, then each key of ``path`` (an index or a recorded op) applied."""
@@ -196,8 +195,12 @@ class OutputStore:
         computes = any(type(key) is _Op and key.kind == "function" for key in request.path)
         with compute() if computes else nullcontext():
             depth, value = walk_containers(root, request.path)
+        return self._fetched(envelope, (depth, value))
+
+    def _fetched(self, envelope: Envelope, body: Any) -> Message:
+        """The packed reply of a fetch; its differentiable tensors are kept for the fetch's backward."""
         with _PackingFor(None, None):  # remote values inside it are fetched here and sent as data
-            reply = pack(self.core.envelope(Kind.REPLY, envelope.call_id, (depth, value), envelope.microbatch))
+            reply = pack(self.core.envelope(Kind.REPLY, envelope.call_id, body, envelope.microbatch))
         outputs = [t for t in reply.tensors if t.requires_grad and differentiable(t)]
         if outputs:
             with self.core.lock:
@@ -208,19 +211,56 @@ class OutputStore:
                 count.foreign = count.foreign or envelope.call_id[0] != 0
         return reply
 
+    def await_call(self, call_id: CallId, microbatch: int, what: str) -> None:
+        """Wait until this stage's output of ``call_id`` has been computed."""
+        self._future(call_id, microbatch).wait(
+            self.core.timeout_s, self.core.raise_if_failed, f"the output of an earlier call, for {what!r}"
+        )
+
+    def run_get_backward(self, envelope: Envelope) -> Message:
+        """A loss's fetch and its backward (holding the compute token; the output exists): the packed reply with the
+        values from ``first`` on and the gradients of the upstream calls' leaves. A value that is no scalar needing
+        a gradient is fetched as by a GET instead (reply ``(depth, value, None)``), its backward left to the caller.
+        """
+        request: GetBackwardRequest = envelope.body
+        root = self.resolve(request.call_id, (), envelope.microbatch)
+        depth, value = walk_containers(root, request.path[: request.first])
+        if depth < request.first:  # the owner's walk stops at a non-container: the caller applies the rest
+            return self._fetched(envelope, (depth, value, None))
+        values = []
+        for key in request.path[request.first:]:
+            value = key.apply(value, root)
+            values.append(value)
+        if not (isinstance(value, torch.Tensor) and value.requires_grad and value.numel() == 1
+                and differentiable(value)):  # the caller's backward raises as it would on the fetched value
+            return self._fetched(envelope, (len(request.path), values, None))
+        grads = self._backward_upstream(envelope.microbatch, [value], [torch.ones_like(value)], request.upstream)
+        body = (len(request.path), values, grads)
+        with _PackingFor(None, None):
+            return pack(self.core.envelope(Kind.REPLY, envelope.call_id, body, envelope.microbatch))
+
     def run_fetch_backward(self, envelope: Envelope) -> Envelope:
         """The backward of a fetch: run it through this stage's graph; reply with the gradients of the leaves of
         every upstream call."""
         request: FetchBackwardRequest = envelope.body
         with self.core.lock:
             saved = self._fetches[envelope.call_id]
-            count = self._fetch_counts.setdefault(saved.microbatch, _FetchCount())
             if not saved.backed:
                 saved.backed = True
-                count.pending -= 1
-            retain = count.foreign or count.pending > 0
+                self._fetch_counts.setdefault(saved.microbatch, _FetchCount()).pending -= 1
         pairs = [(out, ragged_like(g, out)) for out, g in zip(saved.outputs, request.grad_outputs) if g is not None]
-        if pairs:
+        grads = self._backward_upstream(saved.microbatch, [o for o, _ in pairs], [g for _, g in pairs],
+                                        request.upstream)
+        return self.core.envelope(Kind.REPLY, envelope.call_id, grads, envelope.microbatch)
+
+    def _backward_upstream(self, microbatch: int, outputs: list[torch.Tensor], grad_outputs: list[torch.Tensor],
+                           upstream: list[CallId]) -> list[list[torch.Tensor | None]]:
+        """Backward from ``outputs`` through this stage's graph; the gradients of the leaves of every call of
+        ``upstream``, per call."""
+        with self.core.lock:
+            count = self._fetch_counts.setdefault(microbatch, _FetchCount())
+            retain = count.foreign or count.pending > 0
+        if outputs:
             # [Note: backward of fetches] Fetches of one microbatch can share a part of this stage's graph (a value
             # fetched midway through a chain, then the chain's end; two parts of one output fetched apart), so the
             # graph is kept while another fetch of the microbatch awaits its backward. A fetch that a stage other
@@ -231,13 +271,13 @@ class OutputStore:
             # A fetch whose value never reaches the loss (fetched only for a branch, ``if t > 0``) gets no backward:
             # then the graph stays until the microbatch is done (about one message later under 1F1B).
             with self.core.lock:
-                wanted = [leaf for call_id in request.upstream for leaf in self._leaves.get(call_id, [])]
-            self.backward([o for o, _ in pairs], [g for _, g in pairs], wanted, retain_graph=retain)
+                wanted = [leaf for call_id in upstream for leaf in self._leaves.get(call_id, [])]
+            self.backward(outputs, grad_outputs, wanted, retain_graph=retain)
         grads = []
-        for call_id in request.upstream:
+        for call_id in upstream:
             with self.core.lock:
                 leaves = self._leaves.get(call_id, [])
             grads.append([leaf.grad for leaf in leaves])
             for leaf in leaves:
                 leaf.grad = None  # what the next fetch of this chain returns is its own share only
-        return self.core.envelope(Kind.REPLY, envelope.call_id, grads, envelope.microbatch)
+        return grads

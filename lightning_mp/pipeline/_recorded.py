@@ -7,6 +7,7 @@ handle is fetched or passed back to it, so only their result travels (a loss's s
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,6 +49,11 @@ def _is_remote(value: Any) -> bool:
 #   fetched output, as in eager code). A recorded op passed to a call on the owner goes as a reference: the owner
 #   applies it to its own output (``lm_head(hidden[:, -k:, :])`` sends no hidden states).
 #
+# - a loss scaled by a Python number (``loss / microbatches``, ``loss * grad_scale``: ``_SCALINGS``) is recorded too,
+#   on a handle whose path ends in a function op: the same operator then runs on the owner, so the result is the same
+#   bits, and the driver can fetch the scaled loss and run its backward on the owner in one exchange ([Note: the
+#   loss's fetch and backward in one exchange] in ``_caller.py``).
+#
 # The owner applies a recorded op when its result is fetched or referenced, not when the caller recorded it: the
 # same result unless a call made in between changed the output in place on the owner (a module doing ``x.relu_()``
 # on its input after the loss was taken from it, in one microbatch): then the loss sees the change.
@@ -62,6 +68,8 @@ _OWNER_FUNCTIONS = frozenset((
     F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.binary_cross_entropy,
     F.binary_cross_entropy_with_logits, F.kl_div, F.log_softmax,
 ))
+
+_SCALINGS = {"__mul__": operator.mul, "__rmul__": operator.mul, "__truediv__": operator.truediv}
 
 
 class _SelfValue:

@@ -4,7 +4,7 @@
 request workers]), the loop each listener runs (replies go to the core, "end" to :meth:`Server.serve`, requests
 are served), the chains that run one microbatch's requests in the order they were sent ([Note: one microbatch's
 requests run in arrival order]), and the requests that wait for their outputs (FORWARD and its BACKWARD); the
-requests on stored outputs (CALL, GET, FETCH_BACKWARD) it hands to the :class:`~._outputs.OutputStore`.
+requests on stored outputs (CALL, GET, FETCH_BACKWARD, GET_BACKWARD) it hands to the :class:`~._outputs.OutputStore`.
 """
 
 from __future__ import annotations
@@ -367,6 +367,8 @@ class Server:
             else:
                 if kind == Kind.CALL:
                     self.store.await_outputs(refs or [], task.label)
+                elif kind == Kind.GET_BACKWARD:  # the loss's output first, without the token (as a GET)
+                    self.store.await_call(envelope.body.call_id, envelope.microbatch, task.label)
                 with as_task(task), self.core.token.hold(self.core.priority(task), self.core.grant_key(task)):
                     reply = self._compute(envelope, message, refs or [])
         except BaseException as err:
@@ -389,6 +391,8 @@ class Server:
         self.state_updates.finalize(envelope.microbatch)
         if kind == Kind.BACKWARD:
             return self._run_backward(envelope)
+        if kind == Kind.GET_BACKWARD:
+            return self.store.run_get_backward(envelope)
         return self.store.run_fetch_backward(envelope)
 
     def _run_forward(self, envelope: Envelope, message: Message) -> Any:
@@ -426,7 +430,7 @@ def _label(envelope: Envelope) -> str:
         return body.label
     if envelope.kind == Kind.BACKWARD:
         return body.fqn
-    return body.label  # GET, FETCH_BACKWARD
+    return body.label  # GET, FETCH_BACKWARD, GET_BACKWARD
 
 
 def _late(envelope: Envelope, step: str) -> bool:

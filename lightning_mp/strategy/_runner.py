@@ -29,7 +29,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_mp.pipeline import MicrobatchSplitError, PipelineEngine, materialize, merge_microbatches, split_batch
+from lightning_mp.pipeline import (
+    MicrobatchSplitError,
+    PipelineEngine,
+    RemoteValue,
+    materialize,
+    merge_microbatches,
+    owner_computes_loss,
+    split_batch,
+)
 from lightning_mp.strategy._logs import LogRecorder, StepSummary, replay_logs
 from lightning_mp.strategy._metrics import load_metric_log
 from lightning_mp.strategy._precision import loss_scale_of
@@ -203,18 +211,26 @@ def _num_tokens(output: Any) -> float | None:
     return None
 
 
-def scaled_loss(output: Any, scale: LossScale | None) -> Tensor | None:
+def scaled_loss(output: Any, scale: LossScale | None) -> Tensor | RemoteValue | None:
     """The tensor a microbatch backpropagates: loss x grad_scale / (microbatches x accumulate), or, token-weighted
-    (see [Note: token-weighted losses]), loss x n x grad_scale / accumulate."""
+    (see [Note: token-weighted losses]), loss x n x grad_scale / accumulate; a handle where the loss is one its
+    owner computes (the same ops, run there)."""
     if scale is None or output is None:
         return None
-    output = materialize(output)  # a loss taken on the logits' stage is a handle ([Note: the loss where the logits are])
-    loss = output.get("loss") if isinstance(output, Mapping) else output
-    if not isinstance(loss, Tensor):
-        raise TypeError(
-            f"training_step must return a loss tensor or a dict with 'loss' under the 'smp' strategy, got {type(loss).__name__}."
-        )
-    n = _num_tokens(output)
+    # a loss taken on the logits' stage is a handle ([Note: the loss where the logits are]); one its owner computes is
+    # scaled there too and fetched with its backward, in one exchange; any other handle is fetched here
+    if owner_computes_loss(output):
+        loss, n = output, None
+    else:
+        output = materialize(output) if type(output) is RemoteValue else output
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        loss = loss if owner_computes_loss(loss) else materialize(loss)
+        if not isinstance(loss, Tensor) and not owner_computes_loss(loss):
+            raise TypeError(
+                "training_step must return a loss tensor or a dict with 'loss' under the 'smp' strategy, got"
+                f" {type(loss).__name__}."
+            )
+        n = _num_tokens(output)
     if n is None:
         return loss * scale.grad_scale / (scale.microbatches * scale.accumulate)
     return None if n == 0 else loss * (n * scale.grad_scale) / scale.accumulate

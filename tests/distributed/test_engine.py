@@ -382,7 +382,8 @@ def _requests_of_one_microbatch(rank: int, world_size: int) -> dict:
 
 
 def test_a_sequential_run_on_another_stage_is_one_request():
-    """layers.3..5 (an nn.Sequential's last three children) and head live on stage 1: 2 requests forward, 2 back."""
+    """layers.3..5 (an nn.Sequential's last three children) and head live on stage 1: 2 one-way calls forward, then
+    the loss (on head's stage) fetched with its backward in one request."""
     driver, server = run_distributed(_requests_of_one_microbatch, 2)
-    assert driver["requests"] == 4, "one per run (layers[3:6], head) and direction, not one per child (8)"
+    assert driver["requests"] == 3, "one per run (layers[3:6], head) and the loss's, not one per child (8)"
     assert server["served"] == ["head", "layers[3:6]"]

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests._dist import run_distributed
-from tests.distributed.test_remote_handles import _assert_matches, _pipelined, _reference
+from tests.distributed.test_remote_handles import _assert_matches, _batch as _regression_batch, _pipelined, _reference
 from tests.models import tiny_gpt2
 
 VOCAB, T, N, MICROBATCHES = 256, 16, 8, 2
@@ -122,12 +122,73 @@ def test_hf_gpt2_labels_loss_on_the_head_stage_matches_one_process():
         for sent in result["bytes"]:
             assert sent < LOGITS_NBYTES / 2, (rank, sent, LOGITS_NBYTES)
     for kinds in results[0]["kinds"]:
-        # per microbatch: ``logits.device`` (metadata only) and the loss (``BaseModelOutputWithPast`` asks
-        # ``is_tensor`` of the final norm's output, an ``nn.LayerNorm``'s: known here, [Note: handles in Hugging Face
-        # outputs]); backward: the loss only (the hidden states never crossed)
-        assert kinds["get"] == 2 * MICROBATCHES and kinds["gbwd"] == MICROBATCHES, kinds
+        # per microbatch: 3 one-way calls (h.1, ln_f, lm_head), ``logits.device`` (metadata only), and the loss with
+        # its backward in one exchange (``BaseModelOutputWithPast`` asks ``is_tensor`` of the final norm's output, an
+        # ``nn.LayerNorm``'s: known here, [Note: handles in Hugging Face outputs]; the hidden states never cross)
+        assert kinds == {"call": 3 * MICROBATCHES, "get": MICROBATCHES, "getbwd": MICROBATCHES, "end": 1,
+                         "close": 1}, kinds
+    for kinds in results[1]["kinds"]:
+        assert kinds == {"reply": 2 * MICROBATCHES, "close": 1}, kinds
     for rank, result in enumerate(results):
         # one boundary activation per step each way (h.0's output forward, its gradient back) and scalars: the final
         # hidden states never cross (fetching them cost one more of each way, and the head's stage got them back)
         for sent in result["bytes"]:
             assert sent < 1.5 * HIDDEN_NBYTES, (rank, sent, HIDDEN_NBYTES)
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def _mlp_step(model, batch, log) -> torch.Tensor:
+    x, y = batch
+    return F.mse_loss(model(x).squeeze(-1), y)
+
+
+def test_loss_fetch_and_backward_take_one_exchange_per_microbatch():
+    """[Note: the loss's fetch and backward in one exchange]: a Sequential whose last layers (and so the loss) are on
+    stage 1 costs one one-way call and one exchange per microbatch, and still matches one process."""
+    results = run_distributed(_pipelined, 2, _mlp_step, _mlp, {"3": 1, "4": 1}, 4, 2, _regression_batch)
+    _assert_matches(results, _reference(_mlp_step, _mlp, 4, _regression_batch))
+    for driver, owner in zip(results[0]["kinds"], results[1]["kinds"]):
+        assert driver == {"call": 4, "getbwd": 4, "end": 1, "close": 1}, driver  # was a GET and a FETCH_BACKWARD each
+        assert owner == {"reply": 4, "close": 1}, owner
+
+
+WIDE = 512  # a classifier's output width: its logits (N x WIDE floats) must not travel
+
+
+def _wide() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, WIDE))
+
+
+def _wide_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(N, 8, generator=g), torch.randint(0, WIDE, (N,), generator=g)
+
+
+def _nll_of_log_softmax(model, batch, log) -> torch.Tensor:
+    x, y = batch
+    return F.nll_loss(F.log_softmax(model(x), -1), y)
+
+
+def _scaled_then_changed_in_place(model, batch, log) -> torch.Tensor:
+    x, y = batch
+    loss = F.cross_entropy(model(x), y)
+    scaled = loss * 2.0  # eager: computed before the next line changes ``loss``
+    loss.add_(1.0)
+    return scaled
+
+
+@pytest.mark.parametrize("step", [_nll_of_log_softmax, _scaled_then_changed_in_place])
+def test_only_the_loss_and_its_scalings_come_back(step):
+    """The exchange that fetches a loss with its backward sends back the loss and the scalings of it, never the
+    function ops it was taken from (``log_softmax``'s N x WIDE output); and arithmetic on a loss in the user's own
+    step stays eager (a later in-place change does not reach a value computed before it): both match one process."""
+    results = run_distributed(_pipelined, 2, step, _wide, {"2": 1}, MICROBATCHES, 2, _wide_batch)
+    _assert_matches(results, _reference(step, _wide, MICROBATCHES, _wide_batch))
+    for owner_bytes in results[1]["bytes"]:  # was 17,940 with log_softmax's output sent back
+        assert owner_bytes < N * WIDE * 4 / 4, owner_bytes
+    if step is _nll_of_log_softmax:
+        for driver in results[0]["kinds"]:
+            assert driver == {"call": MICROBATCHES, "getbwd": MICROBATCHES, "end": 1, "close": 1}, driver

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pathlib
 
 import lightning as L
+import pytest
 import torch
 import yaml
 from torch.utils.data import DataLoader, TensorDataset
@@ -19,10 +20,14 @@ STEPS, BATCH, T = 2, 4, 32
 CONFIG = pathlib.Path(__file__).parents[2] / "configs" / "gpt_pp2.yaml"
 
 
-def _gpt() -> L.LightningModule:
+def _gpt(logs_loss: bool = True) -> L.LightningModule:
     from examples.gpt import GPT
 
     class StableAdamGPT(GPT):
+        def training_step(self, batch, batch_idx):
+            """The GPT's step, or (``logs_loss=False``) its loss alone: logging fetches it in the forward."""
+            return super().training_step(batch, batch_idx) if logs_loss else self._loss(batch)
+
         def configure_optimizers(self):
             """The GPT's AdamW with ``eps=1e-4``: the attention key bias's true gradient is zero, so its gradient
             is rounding noise that differs between layouts, which Adam with a tiny eps turns into full steps."""
@@ -42,21 +47,24 @@ def _gpt() -> L.LightningModule:
 
 
 class Record(RecordTraining):
-    """Also the bytes this rank's pipeline engine sent over the run."""
+    """Also the bytes and messages this rank's pipeline engine sent over the run."""
 
     def extra(self, trainer, pl_module):
         engine = getattr(trainer.strategy, "pipeline_engine", None)
-        return {"bytes": dict(engine.bytes_sent) if engine is not None else {}}
+        if engine is None:
+            return {"bytes": {}, "messages": {}}
+        return {"bytes": dict(engine.bytes_sent), "messages": dict(engine.messages_sent)}
 
 
-def test_gpt_pp2_config_model_with_the_loss_on_the_head_stage_matches_one_process(tmp_path):
-    reference = fit_and_collect(_gpt(), tmp_path / "one", max_steps=STEPS, num_sanity_val_steps=0)[0]
+@pytest.mark.parametrize("logs_loss", [True, False])
+def test_gpt_pp2_config_model_with_the_loss_on_the_head_stage_matches_one_process(tmp_path, logs_loss):
+    reference = fit_and_collect(_gpt(logs_loss), tmp_path / "one", max_steps=STEPS, num_sanity_val_steps=0)[0]
     strategy = lightning_mp.SMPStrategy(
         pipeline_parallel_degree=2, microbatches=2, start_method="fork", tied_weights="replicate",
         partition={"h.2": 1, "h.3": 1, "ln_f": 1, "lm_head": 1},
     )
     out = tmp_path / "pp2"
-    results = fit_and_collect(_gpt(), out, devices=2, strategy=strategy, max_steps=STEPS, record=Record(str(out)),
+    results = fit_and_collect(_gpt(logs_loss), out, devices=2, strategy=strategy, max_steps=STEPS, record=Record(str(out)),
                               num_sanity_val_steps=0, use_distributed_sampler=False)
     names = original_names(_gpt())  # the head's copy of the tied weight, under its name on stage 1
     held = set()
@@ -73,3 +81,9 @@ def test_gpt_pp2_config_model_with_the_loss_on_the_head_stage_matches_one_proces
     hidden_nbytes = STEPS * BATCH * T * hparams.n_embd * 4
     for rank, result in enumerate(results):
         assert sum(result["bytes"].values()) < 1.5 * hidden_nbytes, (rank, result["bytes"], hidden_nbytes)
+    # unless the step fetched it (``self.log``), the loss, scaled by the Trainer on stage 1 too, is fetched with its
+    # backward in one exchange per microbatch ([Note: the loss's fetch and backward in one exchange] in
+    # pipeline/_caller.py): no separate fetch or backward
+    driver = results[0]["messages"]
+    if not logs_loss:
+        assert driver.get("getbwd") == STEPS * 2 and "gbwd" not in driver, driver
