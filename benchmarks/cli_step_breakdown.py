@@ -35,17 +35,9 @@ from typing import Any
 import lightning as L
 import torch
 
+from lightning_mp.callbacks import RankTimeline, measure_bubble
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-_COMPUTE = ("forward", "backward", "weight")
-
-
-def _union_s(spans: list[tuple[float, float]]) -> float:
-    total, covered_to = 0.0, float("-inf")
-    for start, end in sorted(spans):
-        if end > covered_to:
-            total += end - max(start, covered_to)
-            covered_to = end
-    return total
 
 
 class StepBreakdown(L.Callback):
@@ -108,10 +100,10 @@ class StepBreakdown(L.Callback):
         totals["cpu_s"] += time.process_time() - marks["cpu"]
         totals["context_switches"] += usage.ru_nvcsw + usage.ru_nivcsw - marks["csw"]
         if self._engine is not None:
-            compute = _union_s([(e.start_s, e.end_s) for e in events if e.category in _COMPUTE])
+            compute = measure_bubble([RankTimeline(0, 0, events, 0.0)]).busy_s[0] if events else 0.0
             totals["session_s"] += self._session_s
             totals["compute_s"] += compute
-            for category in (*_COMPUTE, "send", "recv"):
+            for category in ("forward", "backward", "weight", "send", "recv"):
                 totals[f"{category}_s"] += sum(e.duration_s for e in events if e.category == category)
             totals["waiting_s"] += self._session_s - compute
             self.messages.update(Counter(self._engine.messages_sent) - self._messages_before)
@@ -140,7 +132,11 @@ def _run(config: str, extra: list[str], steps: int, warmup: int) -> list[dict]:
     files = sorted(f for f in os.listdir(out_dir) if f.endswith(".json"))
     if done.returncode != 0 or not files:
         raise RuntimeError(f"{config} {extra} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    return [json.load(open(os.path.join(out_dir, f))) for f in files]
+    records = []
+    for name in files:
+        with open(os.path.join(out_dir, name)) as f:
+            records.append(json.load(f))
+    return records
 
 
 _ROWS = [
