@@ -7,14 +7,14 @@ Run (CPU, a few minutes)::
 Each round runs, in an order that rotates from round to round, ``gpt_single.yaml`` (one process), ``gpt_pp2.yaml``
 as shipped and ``gpt_pp2.yaml`` with ``tied_weights: replicate`` (the head, and so the loss, on stage 1), with no
 validation, checkpoint, logger or progress bar. The :class:`StepBreakdown` callback splits every training step
-after the first ``--warmup`` on every rank (steps/s: global rank 0's step plus outside time) into: the training step (Lightning's closure: for ``smp`` the pipelined
+after the first ``--warmup`` on every rank into: the training step (Lightning's closure: for ``smp`` the pipelined
 step, ``engine.session`` in it; for one process forward and backward), the optimizer step (from
 ``on_before_optimizer_step`` to ``on_train_batch_end``) and the time outside the step (from one
 ``on_train_batch_end`` to the next ``on_train_batch_start``: the loop, the batch, logging); and, from the engine's own
 timeline (``engine.timeline``), the rank's compute (union of its forward, backward and weight spans), its sends
 and receives, and the rest of the session (waiting for the other stage: the bubble and replies). Per step also the
 process CPU seconds (all threads, ``time.process_time``), context switches (``getrusage``) and the engine's
-messages. Prints per-round steps/s with each run's ratio to ``gpt_single`` of the same round, and the breakdown of
+messages. Prints per-round steps/s (global rank 0's step plus outside time) with each run's ratio to ``gpt_single`` of the same round, and the breakdown of
 the last round (means per step; only ratios within one run mean anything on a shared machine).
 """
 
@@ -131,7 +131,8 @@ def _run(config: str, extra: list[str], steps: int, warmup: int) -> list[dict]:
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     files = sorted(f for f in os.listdir(out_dir) if f.endswith(".json"))
     if done.returncode != 0 or not files:
-        raise RuntimeError(f"{config} {extra} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        tail = f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        raise RuntimeError(f"{config} {extra} failed ({done.returncode}):\n{tail}")
     records = []
     for name in files:
         with open(os.path.join(out_dir, name)) as f:
