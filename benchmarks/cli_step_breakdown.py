@@ -14,8 +14,9 @@ step, ``engine.session`` in it; for one process forward and backward), the optim
 timeline (``engine.timeline``), the rank's compute (union of its forward, backward and weight spans), its sends
 and receives, and the rest of the session (waiting for the other stage: the bubble and replies). Per step also the
 process CPU seconds (all threads, ``time.process_time``), context switches (``getrusage``) and the engine's
-messages. Prints per-round steps/s (global rank 0's step plus outside time) with each run's ratio to ``gpt_single`` of the same round, and the breakdown of
-the last round (means per step; only ratios within one run mean anything on a shared machine).
+messages. Prints per-round steps/s (global rank 0's step plus outside time) with each run's ratio to
+``gpt_single`` of the same round, and the breakdown of the last round (means per step; only ratios within one run
+mean anything on a shared machine).
 """
 
 from __future__ import annotations
