@@ -37,6 +37,7 @@ class _Step:
     outputs: list[Any]
     grad_enabled: bool
     inference: bool
+    on_finish: Callable[[int], None] | None
 
 
 class Driver:
@@ -77,8 +78,12 @@ class Driver:
         *,
         loss_fn: Callable[[Any], torch.Tensor | None],
         backward: bool,
+        on_finish: Callable[[int], None] | None = None,
     ) -> list[Any]:
         """Run ``step_fn(microbatch, index)`` for every microbatch (and backward of ``loss_fn(output)``).
+
+        ``on_finish(index)`` runs when microbatch ``index`` has finished (after its backward), while the other
+        stages still hold its outputs: the last moment its handles can be fetched.
 
         Returns:
             The step outputs, in microbatch order.
@@ -87,7 +92,7 @@ class Driver:
             PipelineError: if any microbatch or any stage fails, naming the stage.
         """
         step = _Step(step_fn, microbatches, loss_fn, backward, [None] * len(microbatches),
-                     torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+                     torch.is_grad_enabled(), torch.is_inference_mode_enabled(), on_finish)
         if not self.core.peers:  # one stage: nothing to overlap, run inline
             for index in range(len(microbatches)):
                 self._run(step, index, None)
@@ -121,7 +126,7 @@ class Driver:
         with recording_loss_scalings():
             loss = step.loss_fn(step.outputs[index]) if step.backward else None
         if loss is None:
-            step.outputs[index] = self._finish_microbatch(index, step.outputs[index])
+            step.outputs[index] = self._finish_microbatch(step, index, step.outputs[index])
             if step.backward and wave is not None:  # no backward here (num_tokens == 0): the wave's other
                 self.core.token.release()  # backwards still wait for this forward to arrive
                 wave.arrive_and_wait()
@@ -150,7 +155,7 @@ class Driver:
                     loss = loss._rv_session.fetch_with_backward(chain)
                     step.outputs[index] = materialize(step.outputs[index])
                 self.backward([loss], [None])
-                self._finish_microbatch(index, None)
+                self._finish_microbatch(step, index, None)
             finally:
                 token.release()
 
@@ -191,9 +196,12 @@ class Driver:
             thread.join()
         self.core.raise_if_failed()
 
-    def _finish_microbatch(self, index: int, output: Any) -> Any:
-        """Fetch the remote values a step returned, then let every stage drop the microbatch's outputs."""
+    def _finish_microbatch(self, step: _Step, index: int, output: Any) -> Any:
+        """Fetch the remote values a step returned, run ``on_finish``, then let every stage drop the microbatch's
+        outputs."""
         output = materialize(output)
+        if step.on_finish is not None:
+            step.on_finish(index)
         if self.remote_handles:
             self.core.tell_done(index)
             self.store.free(index)

@@ -319,8 +319,10 @@ class PipelineSession:
         *,
         loss_fn: Callable[[Any], torch.Tensor | None],
         backward: bool,
+        on_finish: Callable[[int], None] | None = None,
     ) -> list[Any]:
-        """Run ``step_fn(microbatch, index)`` for every microbatch (and backward of ``loss_fn(output)``).
+        """Run ``step_fn(microbatch, index)`` for every microbatch (and backward of ``loss_fn(output)``), and
+        ``on_finish(index)`` as microbatch ``index`` finishes, before the other stages drop its outputs.
 
         Returns:
             The step outputs, in microbatch order.
@@ -331,7 +333,7 @@ class PipelineSession:
         """
         if not self.is_driver:
             raise RuntimeError("Only pipeline stage 0 drives a step; other stages call `serve()`.")
-        return self.driver.drive(step_fn, microbatches, loss_fn=loss_fn, backward=backward)
+        return self.driver.drive(step_fn, microbatches, loss_fn=loss_fn, backward=backward, on_finish=on_finish)
 
     def finish(self, summary: Any) -> None:
         """Send ``summary`` (e.g. the step's mean loss and logged values) to every other stage."""

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torchmetrics import Metric
 
-from lightning_mp.pipeline import materialize
+from lightning_mp.pipeline import RemoteValue, materialize
 from lightning_mp.strategy._metrics import (
     MetricCalls,
     MetricLog,
@@ -94,15 +94,28 @@ class LogRecorder:
             self._local.index = None
 
     def _record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        if isinstance(value, Metric):
+        index = getattr(self._local, "index", None)
+        keep = index is not None and _unfetched(value)  # ``isinstance`` would fetch it
+        if not keep and isinstance(value, Metric):
             with self._lock:
                 self._metrics.record(name, value, args, kwargs)
             return
-        value = _loggable_value(value)
-        index = getattr(self._local, "index", None)
+        if not keep:
+            value = _loggable_value(value)
         with self._lock:
             call = self._calls.setdefault(name, _LogCall(name, [], args, kwargs))
             call.values.append((len(call.values) if index is None else index, value))
+
+    def fetch_microbatch(self, index: int) -> None:
+        """Fetch the handles microbatch ``index`` logged (free where its backward fetched them); run as it finishes,
+        while its stages still hold its outputs."""
+        with self._lock:
+            kept = [(call, k) for call in self._calls.values() for k, (i, v) in enumerate(call.values)
+                    if i == index and type(v) is RemoteValue]
+        for call, k in kept:
+            value = _loggable_value(call.values[k][1])
+            with self._lock:
+                call.values[k] = (index, value)
 
     def reduced(self, weights: list[float] | None = None) -> list[tuple[str, Any, tuple, dict]]:
         """``(name, value, args, kwargs)`` per logged name, in first-call order, values reduced over microbatches.
@@ -134,6 +147,10 @@ class LogRecorder:
     def unlogged_metric_states(self) -> list[MetricLog]:
         """After the step: the states of the module's metrics it updated without logging them."""
         return unlogged_states(self._module, self._counts_before, self._metrics.logged_ids())
+
+
+def _unfetched(value: Any) -> bool:
+    return type(value) is RemoteValue and not value._rv_fetched
 
 
 def _loggable_value(value: Any) -> Any:

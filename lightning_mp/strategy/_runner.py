@@ -121,6 +121,7 @@ class StepRunner:
                         microbatches,
                         loss_fn=partial(scaled_loss, scale=loss_scale),
                         backward=loss_scale is not None,
+                        on_finish=recorder.fetch_microbatch,
                     )
                 summary = _summarize(outputs, recorder, send_metric_states=self._num_stages > 1)
                 session.finish(summary)

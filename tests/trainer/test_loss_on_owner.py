@@ -1,6 +1,6 @@
 """``configs/gpt_pp2.yaml``'s model through ``Trainer.fit`` at pp=2 with its head (a replicated copy of the tied
 embedding) on stage 1: the loss runs there ([Note: the loss where the logits are] in pipeline/_recorded.py), so
-the logits never come back; losses and every parameter after two AdamW steps equal one process."""
+the logits never come back; losses, logged losses and every parameter after two AdamW steps equal one process."""
 
 from __future__ import annotations
 
@@ -20,13 +20,19 @@ STEPS, BATCH, T = 2, 4, 32
 CONFIG = pathlib.Path(__file__).parents[2] / "configs" / "gpt_pp2.yaml"
 
 
-def _gpt(logs_loss: bool = True) -> L.LightningModule:
+def _gpt(logs: str = "handle") -> L.LightningModule:
     from examples.gpt import GPT
 
     class StableAdamGPT(GPT):
         def training_step(self, batch, batch_idx):
-            """The GPT's step, or (``logs_loss=False``) its loss alone: logging fetches it in the forward."""
-            return super().training_step(batch, batch_idx) if logs_loss else self._loss(batch)
+            """The GPT's step (``logs="handle"``: it logs the loss, a handle, as it is); ``"item"``: it logs
+            ``loss.item()``, which fetches the loss in the forward; ``"none"``: its loss alone."""
+            if logs == "handle":
+                return super().training_step(batch, batch_idx)
+            loss = self._loss(batch)
+            if logs == "item":
+                self.log("train_loss", loss.item())
+            return loss
 
         def configure_optimizers(self):
             """The GPT's AdamW with ``eps=1e-4``: the attention key bias's true gradient is zero, so its gradient
@@ -56,20 +62,25 @@ class Record(RecordTraining):
         return {"bytes": dict(engine.bytes_sent), "messages": dict(engine.messages_sent)}
 
 
-@pytest.mark.parametrize("logs_loss", [True, False])
-def test_gpt_pp2_config_model_with_the_loss_on_the_head_stage_matches_one_process(tmp_path, logs_loss):
-    reference = fit_and_collect(_gpt(logs_loss), tmp_path / "one", max_steps=STEPS, num_sanity_val_steps=0)[0]
+@pytest.mark.parametrize("logs", ["handle", "item", "none"])
+def test_gpt_pp2_config_model_with_the_loss_on_the_head_stage_matches_one_process(tmp_path, logs):
+    logged = logs != "none"
+    reference = fit_and_collect(_gpt(logs), tmp_path / "one", max_steps=STEPS, num_sanity_val_steps=0,
+                                record=RecordTraining(str(tmp_path / "one"), logged=logged))[0]
     strategy = lightning_mp.SMPStrategy(
         pipeline_parallel_degree=2, microbatches=2, start_method="fork", tied_weights="replicate",
         partition={"h.2": 1, "h.3": 1, "ln_f": 1, "lm_head": 1},
     )
     out = tmp_path / "pp2"
-    results = fit_and_collect(_gpt(logs_loss), out, devices=2, strategy=strategy, max_steps=STEPS, record=Record(str(out)),
-                              num_sanity_val_steps=0, use_distributed_sampler=False)
+    results = fit_and_collect(_gpt(logs), out, devices=2, strategy=strategy, max_steps=STEPS,
+                              record=Record(str(out), logged=logged), num_sanity_val_steps=0,
+                              use_distributed_sampler=False)
     names = original_names(_gpt())  # the head's copy of the tied weight, under its name on stage 1
     held = set()
     for result in results:
         torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-5, atol=1e-6)
+        if logged:
+            torch.testing.assert_close(result["logged"], reference["logged"], rtol=1e-5, atol=1e-6)
         for name, value in result["params"].items():
             original = names.get(name, name)
             torch.testing.assert_close(value, reference["params"][original], rtol=1e-5, atol=1e-6, msg=name)
@@ -81,9 +92,14 @@ def test_gpt_pp2_config_model_with_the_loss_on_the_head_stage_matches_one_proces
     hidden_nbytes = STEPS * BATCH * T * hparams.n_embd * 4
     for rank, result in enumerate(results):
         assert sum(result["bytes"].values()) < 1.5 * hidden_nbytes, (rank, result["bytes"], hidden_nbytes)
-    # unless the step fetched it (``self.log``), the loss, scaled by the Trainer on stage 1 too, is fetched with its
-    # backward in one exchange per microbatch ([Note: the loss's fetch and backward in one exchange] in
-    # pipeline/_caller.py): no separate fetch or backward
-    driver = results[0]["messages"]
-    if not logs_loss:
-        assert driver.get("getbwd") == STEPS * 2 and "gbwd" not in driver, driver
+    # unless the step fetched it (``loss.item()``), the loss, scaled by the Trainer on stage 1 too, is fetched with
+    # its backward in one exchange per microbatch ([Note: the loss's fetch and backward in one exchange] in
+    # pipeline/_caller.py): no separate fetch or backward; a logged handle is fetched by that exchange. The one GET
+    # per microbatch left is ``logits.size(-1)`` in the loss (the logits' shape, asked of stage 1)
+    driver, microbatches = results[0]["messages"], STEPS * 2
+    if logs == "item":
+        assert driver.get("get") == 2 * microbatches and driver.get("gbwd") == microbatches, driver
+        assert "getbwd" not in driver, driver
+    else:
+        assert driver.get("getbwd") == microbatches and driver.get("get") == microbatches, driver
+        assert "gbwd" not in driver, driver
