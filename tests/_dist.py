@@ -28,17 +28,19 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callab
         dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, start_method: str = "fork") -> list[Any]:
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, start_method: str | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return the results by rank.
 
     ``fn`` must be a module-level function. An exception on any rank fails the call. ``start_method="fork"`` (the
-    default) starts in well under a second; ``"spawn"`` makes each child import torch, and through ``lightning_mp``
+    default without CUDA; with CUDA ``"spawn"``, as a CUDA runtime initialised in this process cannot be forked) starts
+    in well under a second; ``"spawn"`` makes each child import torch, and through ``lightning_mp``
     Lightning, torchmetrics and Hugging Face ``transformers`` (torchmetrics' BERTScore imports it), again: seconds
     per child on the 2-core CI machine.
     """
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         worker_args = (world_size, init_file, tmp, fn, args)
+        start_method = start_method or ("spawn" if torch.cuda.is_available() else "fork")
         mp.start_processes(_worker, args=worker_args, nprocs=world_size, join=True, start_method=start_method)
         return [torch.load(os.path.join(tmp, f"{r}.pt"), weights_only=False) for r in range(world_size)]
 

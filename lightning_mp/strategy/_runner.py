@@ -226,7 +226,7 @@ def scaled_loss(output: Any, scale: LossScale | None) -> Tensor | RemoteValue | 
         output = materialize(output) if type(output) is RemoteValue else output
         loss = output.get("loss") if isinstance(output, Mapping) else output
         loss = loss if owner_computes_loss(loss) else materialize(loss)
-        if not isinstance(loss, Tensor) and not owner_computes_loss(loss):
+        if not owner_computes_loss(loss) and not isinstance(loss, Tensor):  # ``isinstance`` would fetch a handle
             raise TypeError(
                 "training_step must return a loss tensor or a dict with 'loss' under the 'smp' strategy, got"
                 f" {type(loss).__name__}."

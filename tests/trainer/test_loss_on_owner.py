@@ -26,9 +26,12 @@ def _gpt(logs: str = "handle") -> L.LightningModule:
     class StableAdamGPT(GPT):
         def training_step(self, batch, batch_idx):
             """The GPT's step (``logs="handle"``: it logs the loss, a handle, as it is); ``"item"``: it logs
-            ``loss.item()``, which fetches the loss in the forward; ``"none"``: its loss alone."""
+            ``loss.item()``, which fetches the loss in the forward; ``"dict"``: as ``"handle"``, the loss returned
+            in a dict; ``"none"``: its loss alone."""
             if logs == "handle":
                 return super().training_step(batch, batch_idx)
+            if logs == "dict":  # the loss handle logged, and returned in a dict
+                return {"loss": super().training_step(batch, batch_idx)}
             loss = self._loss(batch)
             if logs == "item":
                 self.log("train_loss", loss.item())
@@ -62,7 +65,7 @@ class Record(RecordTraining):
         return {"bytes": dict(engine.bytes_sent), "messages": dict(engine.messages_sent)}
 
 
-@pytest.mark.parametrize("logs", ["handle", "item", "none"])
+@pytest.mark.parametrize("logs", ["handle", "dict", "item", "none"])
 def test_gpt_pp2_config_model_with_the_loss_on_the_head_stage_matches_one_process(tmp_path, logs):
     logged = logs != "none"
     reference = fit_and_collect(_gpt(logs), tmp_path / "one", max_steps=STEPS, num_sanity_val_steps=0,
