@@ -203,12 +203,14 @@ class RemoteValue:
 
     def _rv_loss_chain(self) -> list[RemoteValue] | None:
         """The handles whose values one exchange fetches with the backward of this one ([Note: the loss's fetch and
-        backward in one exchange] in ``_caller.py``): its ancestors from the first of the function ops its path ends
-        in (the loss) to itself (a scaled loss); ``None`` where this handle is no loss its owner would compute."""
+        backward in one exchange] in ``_caller.py``): the loss (the last function op before a run of scalings by
+        Python numbers, ``_SCALINGS``), then each scaling up to this handle; only those small values come back, never
+        the ops the loss was taken from (``log_softmax``'s output). ``None`` where this handle is no loss its owner
+        would compute."""
         if (type(self) is not RemoteValue or self._rv_fetched or self._rv_op is None or self._rv_op.kind != "function"
                 or not self._rv_grad_enabled or not self._rv_owner_computes()):
             return None
-        chain = [self]  # the scalings, up to the loss (only the loss and its scalings come back: small values)
+        chain = [self]
         while (chain[-1]._rv_op.target in _SCALINGS.values() and (parent := chain[-1]._rv_parent)._rv_op is not None
                and parent._rv_op.kind == "function"):
             chain.append(parent)
