@@ -1,8 +1,10 @@
-"""The paths of [Note: the loss's fetch and backward in one exchange] (``pipeline/_caller.py``) beside the one that
-works: the received gradients are let go, a second backward of such a loss fails clearly, the owner answers as a
+"""The paths of [Note: the loss's fetch and backward in one exchange] (``pipeline/_caller.py``) beside its main one:
+the received gradients are let go, a second backward of such a loss fails clearly, the owner answers as a
 plain fetch where its value is no scalar needing a gradient (and the backward here then does what one process
-does), and a failure on the owner (in the loss op or in the backward it runs) fails the step on every rank without
-a hang, the next step running normally.
+does), a loss with no driver tensor upstream gets no gradient back, and a failure on the owner (in the loss op or in
+the backward it runs) fails the step on every rank without a hang, the next step running normally; except, so far, a
+failure in a weight pass that ``"zero_bubble"`` deferred past the exchange (a strict ``xfail``: the driver's step
+succeeds).
 
 Each test runs a small ``nn.Sequential`` on two gloo processes, its last layers (and so the loss) on stage 1, and
 compares with the same model and steps in one process; which kinds of requests the driver made come from
@@ -273,7 +275,7 @@ def _received_gradients(rank: int, world: int) -> dict:
         try:
             output.backward()
             again.append("no error")
-        except Exception as err:  # noqa: BLE001 - the outcome is the result
+        except PipelineError as err:
             again.append(_error_text(err))
     result["again"] = again
     result["sent_again"] = {k: v - sent.get(k, 0) for k, v in engine.messages_sent.items() if v != sent.get(k, 0)}
@@ -333,13 +335,15 @@ FETCHED = {  # step -> (what the driver's requests must include, what they must 
 }
 
 
+@pytest.mark.parametrize("schedule", ["interleaved", "zero_bubble"])
 @pytest.mark.parametrize("case", list(FETCHED))
-def test_a_loss_its_owner_answers_as_a_fetch_matches_one_process(case):
+def test_a_loss_its_owner_answers_as_a_fetch_matches_one_process(case, schedule):
     """Where the owner's walk stops at the tensor output (a loss on ``logits[0]``) it sends that output as a GET
     would, the loss is computed here and backpropagated through a FETCH_BACKWARD; per-sample losses summed here are
-    fetched in the forward. Losses, every gradient and every updated parameter equal one process."""
+    fetched in the forward. Losses, every gradient and every updated parameter equal one process, also with the
+    owner's backward split (``"zero_bubble"``)."""
     step, made, not_made = FETCHED[case]
-    results = run_distributed(_pipelined, 2, step)
+    results = run_distributed(_pipelined, 2, step, 2, None, schedule)
     _assert_matches(results, _reference(step))
     for kinds in results[0]["kinds"]:
         assert made <= kinds and not not_made & kinds, kinds
@@ -373,7 +377,8 @@ def test_a_failure_on_the_owner_in_the_exchange_fails_every_rank_and_the_next_st
     assert reference["errors"] == [cause, None]
     driver, owner = run_distributed(_pipelined, 2, step, 2, fail_step, schedule, TIMEOUT_S, fault or "fail")
     first = driver["errors"][0]
-    assert first is not None and first.startswith("PipelineError: pipeline stage 1 (global rank 1) failed running"), first
+    assert first is not None, driver["errors"]
+    assert first.startswith("PipelineError: pipeline stage 1 (global rank 1) failed running"), first
     assert first.rstrip().endswith(cause), first  # the owner's traceback, ending in the cause
     if case == "loss_op":
         assert ", in cross_entropy\n" in first, first

@@ -92,6 +92,8 @@ def _module(logs: str) -> _Classifier:
 def test_a_logged_value_that_is_not_the_loss_matches_one_process(tmp_path, logs):
     reference = fit_and_collect(_module(logs), tmp_path / "one", max_steps=STEPS, num_sanity_val_steps=0,
                                 record=_Record(str(tmp_path / "one")))[0]
+    # one microbatch in flight: a forward that waits for a GET lets no other microbatch's forward send one meanwhile,
+    # so each forward's count of GETs is its own
     strategy = lightning_mp.SMPStrategy(pipeline_parallel_degree=2, microbatches=MICROBATCHES, active_microbatches=1,
                                         start_method="fork", partition={"body": 0, "head": 1})
     out = tmp_path / "pp2"
