@@ -48,18 +48,22 @@ class _Faulty(torch.autograd.Function):
 
 class _Head(nn.Linear):
     """A ``Linear`` whose output goes through ``_Faulty``: set ``fail`` to make its backward raise, ``fail_weight``
-    to make a hook on its weight's gradient raise (under ``"zero_bubble"``: in the weight pass)."""
+    to make a hook on its weight's gradient raise on the last microbatch's gradient (the ``MICROBATCHES``-th since it
+    was set; under ``"zero_bubble"`` that runs in the step's last weight pass: no request of the driver follows it)."""
 
     fail = False
     fail_weight = False
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.weight_grads = 0  # gradients seen while ``fail_weight`` was set
         self.weight.register_hook(self._check)
 
     def _check(self, grad: torch.Tensor) -> torch.Tensor:
         if self.fail_weight:
-            raise ValueError("the head's weight hook broke down")
+            self.weight_grads += 1
+            if self.weight_grads == MICROBATCHES:
+                raise ValueError("the head's weight hook broke down")
         return grad
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -394,7 +398,8 @@ def test_a_failure_on_the_owner_in_the_exchange_fails_every_rank_and_the_next_st
                    " that stage's step only: the driver's step succeeds and its optimizer steps")
 def test_a_weight_pass_failing_on_the_owner_under_zero_bubble_fails_every_rank():
     """Under ``"zero_bubble"`` the hook on the head's weight runs in the owner's weight pass, after the exchange
-    replied: the step must still fail on every rank (as one process's step fails), and step 1 match one process."""
+    replied (the last microbatch's: no request of the driver is left to answer with the error): the step must still
+    fail on every rank (as one process's step fails), and step 1 match one process."""
     reference = _reference(_ce, fail_step=0, fault="fail_weight")
     assert reference["errors"] == [HOOK_BROKE, None]
     driver, owner = run_distributed(_pipelined, 2, _ce, 2, 0, "zero_bubble", TIMEOUT_S, "fail_weight")
