@@ -364,8 +364,13 @@ class PipelineSession:
                 self.weights.drain()
             except PipelineError:
                 self.weights.stop()
+        # [Note: "close" carries the step's failure] A stage can fail after its last answer: a weight pass that
+        # "zero_bubble" deferred past the exchange that replied, or anything in the drain above. No request of the
+        # driver waits for an answer then, so "close" says it, and every peer's session fails with it (the driver's
+        # before its optimizer steps: ``session`` raises after ``close``).
+        failure = None if core.error is None else f"{type(core.error).__name__}: {core.error}"
         for peer in core.peers:
-            core.send_quietly(core.envelope(Kind.CLOSE), peer)
+            core.send_quietly(core.envelope(Kind.CLOSE, body=failure), peer)
         core.close_order()
         self.server.stop_workers()
         core.join_threads()

@@ -222,6 +222,8 @@ class Server:
             for microbatch in envelope.done:
                 self.store.free(microbatch)
             if envelope.kind == Kind.CLOSE:
+                if envelope.body is not None:  # [Note: "close" carries the step's failure] in ``_engine.py``
+                    self.core.fail(PipelineError(f"The step failed on {self.core.describe(peer)}: {envelope.body}"))
                 return False
             if envelope.kind in (Kind.REPLY, Kind.ERROR):
                 self.core.deliver(message)

@@ -2,9 +2,9 @@
 the received gradients are let go, a second backward of such a loss fails clearly, the owner answers as a
 plain fetch where its value is no scalar needing a gradient (and the backward here then does what one process
 does), a loss with no driver tensor upstream gets no gradient back, and a failure on the owner (in the loss op or in
-the backward it runs) fails the step on every rank without a hang, the next step running normally; except, so far, a
-failure in a weight pass that ``"zero_bubble"`` deferred past the exchange (a strict ``xfail``: the driver's step
-succeeds).
+the backward it runs, or in a weight pass that ``"zero_bubble"`` deferred past the exchange: [Note: "close" carries
+the step's failure] in ``pipeline/_engine.py``) fails the step on every rank without a hang, the next step running
+normally.
 
 Each test runs a small ``nn.Sequential`` on two gloo processes, its last layers (and so the loss) on stage 1, and
 compares with the same model and steps in one process; which kinds of requests the driver made come from
@@ -394,8 +394,6 @@ def test_a_failure_on_the_owner_in_the_exchange_fails_every_rank_and_the_next_st
     _assert_matches([driver, owner], reference)
 
 
-@pytest.mark.xfail(strict=True, reason="a deferred weight pass that fails on a stage other than the driver fails"
-                   " that stage's step only: the driver's step succeeds and its optimizer steps")
 def test_a_weight_pass_failing_on_the_owner_under_zero_bubble_fails_every_rank():
     """Under ``"zero_bubble"`` the hook on the head's weight runs in the owner's weight pass, after the exchange
     replied (the last microbatch's: no request of the driver is left to answer with the error): the step must still
