@@ -190,17 +190,20 @@ class SessionCore:
     # - alone or as a bundle, before any message to another stage, and before a CALL to another stage is held (the
     #   outbox holds calls to one stage): nothing this rank sends overtakes a held call (a nested call, a
     #   reference to a held call's output, a later step's message);
-    # - when the holder of the compute token releases it, hands it over (``ComputeToken.flush``: the end of a
-    #   microbatch's forward, an error, the wait of an exchange, which releases without flushing and then sends
-    #   its request, which takes them along), so no held call waits on another task's compute, and none is left
-    #   when a task ends or fails;
+    # - when the holder of the compute token releases it or hands it over (``ComputeToken.flush``: the end of a
+    #   microbatch's forward, the wave barrier of "simple", an error), so no held call waits on another task's
+    #   compute and none is left when a task ends or fails. The calls are taken under the stage's send lock, the
+    #   token is given up, then they go: another task computes while they are sent, and which calls go together
+    #   does not depend on what it does (an exchange likewise takes the held calls into its request, releases,
+    #   then sends);
     # - when a local module with parameters starts on the thread that held them (``send_held_calls`` in the
     #   global forward pre-hook of ``_handles.py``): its compute would otherwise delay the remote stage.
     # Only the token holder (the driver's microbatch code) makes one-way calls, so the outbox holds the calls of one
     # hold of the token: the loop's calls of one forward go as one message, and its GET_BACKWARD separately.
-    # Cost: a held call starts on its owner at most one local stretch later, up to the holder's next message,
-    # release or local module with parameters: remote code that only runs remote blocks and cheap tensor code
-    # between them. Counted: every message's kind in ``messages_sent`` as before, and per bundle one "bundle" and
+    # Cost: a held call waits at most until the holder's next message, release or local module with parameters;
+    # between those the driver runs only calls to other stages and code outside modules with parameters. Where that
+    # code is heavy (a functional op on a local weight, ``x @ model.wte.weight.T``, or a module without parameters
+    # doing real work), the owner starts later than it would have. Counted: every message's kind in ``messages_sent`` as before, and per bundle one "bundle" and
     # its parts in "bundled", so the transport messages are ``transport_messages(messages_sent)``.
 
     def send(

@@ -34,6 +34,24 @@ class Loop(nn.Module):
         self.head = nn.Linear(DIM, 1)
 
 
+class Outer(nn.Module):
+    """Lives on stage 1 and calls ``inner``, which lives on stage 0: a nested call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(DIM, DIM)
+        self.inner = Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(torch.tanh(self.fc(x)))
+
+
+class Nesting(Loop):
+    def __init__(self) -> None:
+        super().__init__()
+        self.outer = Outer()
+
+
 class Boom(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise ValueError("boom in a coalesced call")
@@ -96,6 +114,13 @@ def _three_stage_step(model: Loop, batch, log) -> torch.Tensor:
     h = model.blocks[2](h)  # stage 1 again
     h = model.blocks[3](h)  # stage 2 again
     return F.mse_loss(model.head(h).squeeze(-1), y)
+
+
+def _nested_step(model: Nesting, batch, log) -> torch.Tensor:
+    x, y = batch
+    a = model.blocks[0](model.inp(x))  # one-way to stage 1, held
+    b = model.outer(a)  # calls stage 0 from stage 1: waits for its output, and takes the held call along
+    return F.mse_loss(model.head(model.blocks[1](b)).squeeze(-1), y)
 
 
 def _failing_step(model: Failing, batch, log) -> torch.Tensor:
@@ -232,6 +257,17 @@ def test_calls_to_two_stages_keep_their_order():
             # per microbatch: blocks.0 + the fetch of its output (to 1), blocks.1 + fetch (2), blocks.2 + fetch (1),
             # blocks.3 + head at the forward's end (2); then the loss's exchange (2) and 3 fetch backwards
             assert sorted(wire) == sorted([(1, 2)] * 8 + [(2, 2)] * 8 + [(1, 1)] * 10 + [(2, 1)] * 10), wire
+
+
+def test_a_held_call_goes_with_a_call_that_calls_back():
+    """stage 0 -> 1 (outer) -> 0 (inner): the one-way call held before ``outer`` goes with its request and runs first
+    on stage 1 (its output is ``outer``'s input), and ``inner`` is served on stage 0 meanwhile."""
+    placement = {"blocks": 1, "head": 1, "outer": 1, "outer.inner": 0}
+    results = run_distributed(_run, 2, _nested_step, Nesting, placement)
+    _assert_matches(results, _reference(_nested_step, Nesting, MICROBATCHES))
+    for kinds, wire in zip(results[0]["kinds"], results[0]["wires"]):
+        assert kinds["bundle"] == 2 * MICROBATCHES and kinds["fwd"] == MICROBATCHES, kinds  # call + fwd; 2 calls
+        assert transport_messages(kinds) == len(wire), (kinds, wire)
 
 
 def test_an_error_in_a_coalesced_call_fails_the_step_and_the_next_one_runs():
