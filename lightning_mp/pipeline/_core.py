@@ -203,11 +203,17 @@ class SessionCore:
     # Cost: a held call waits at most until the holder's next message, release or local module with parameters;
     # between those the driver runs only calls to other stages and code outside modules with parameters. Where that
     # code is heavy (a functional op on a local weight, ``x @ model.wte.weight.T``, or a module without parameters
-    # doing real work), the owner starts later than it would have. Counted: every message's kind in ``messages_sent`` as before, and per bundle one "bundle" and
-    # its parts in "bundled", so the transport messages are ``transport_messages(messages_sent)``.
+    # doing real work), the owner starts later than it would have. Counted: every message's kind in
+    # ``messages_sent`` as before, and per bundle one "bundle" and its parts in "bundled", so the transport messages
+    # are ``transport_messages(messages_sent)``.
 
     def send(
-        self, message: Any, peer: int, microbatch: int = 0, kind: Kind = Kind.REPLY, then: Callable[[], Any] | None = None
+        self,
+        message: Any,
+        peer: int,
+        microbatch: int = 0,
+        kind: Kind = Kind.REPLY,
+        then: Callable[[], Any] | None = None,
     ) -> None:
         """Send one message (an envelope, or a packed one of ``kind``) to ``peer``, recording it on the timeline and
         counting it in ``messages_sent`` and its pickle and tensor bytes in ``bytes_sent``. A one-way CALL is held

@@ -227,7 +227,7 @@ class Server:
                     self.core.timeline.record("recv", f"from stage {peer}", envelope.microbatch, message.arrived_s)
                 if envelope.step != self.core.step:
                     if _late(envelope, self.core.step):
-                        continue  # a late answer of a step that failed here (it closed without waiting): not for this step
+                        continue  # a late answer of a step that failed here (closed without waiting): not this step's
                     self._fail_out_of_step(envelope, peer)
                     more = False
                     break
