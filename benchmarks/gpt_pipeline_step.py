@@ -121,7 +121,8 @@ class TokenCPU:
     def __init__(self) -> None:
         self.total_s = 0.0
         self._local = threading.local()
-        acquire, release = ComputeToken.acquire, ComputeToken.release
+        # ``_release`` gives the token up; ``release`` also sends the held one-way calls, after it
+        acquire, release = ComputeToken.acquire, ComputeToken._release
 
         def timed_acquire(token: ComputeToken, *args, **kwargs) -> None:
             acquire(token, *args, **kwargs)
@@ -135,7 +136,7 @@ class TokenCPU:
                 self._local.since = None
             return released
 
-        ComputeToken.acquire, ComputeToken.release = timed_acquire, timed_release
+        ComputeToken.acquire, ComputeToken._release = timed_acquire, timed_release
 
 
 def _copy_ties_apart(model: torch.nn.Module, stage_of: dict[str, int]) -> None:
