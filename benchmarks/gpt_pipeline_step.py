@@ -17,7 +17,8 @@ engine's compute: the same microbatches one after the other (forward, backward) 
 process while rank 1 waits, alternating step by step with the pipeline; the last lines give the engine's compute
 (busy s0 + s1; in wall and in thread CPU time: ``TokenCPU``) and CPU time (both processes) per step against it.
 The KiB column is what each process sends per microbatch (pickles and tensor bytes, ``PipelineEngine.bytes_sent``),
-the messages column how many messages (``PipelineEngine.messages_sent``, the step's "end" and "close" included);
+the messages column how many transport messages (``transport_messages(PipelineEngine.messages_sent)``: one-way
+calls sent together count once, [Note: coalesced one-way calls]; the step's "end" and "close" included);
 ``--tied-weights replicate`` plans the tied embedding/head apart (the head and the loss on stage 1), the default
 co-locates them on stage 0. The ranks run under ``SMPStrategy``'s malloc policy (``--malloc glibc``: glibc's default; [Note: engine threads and glibc malloc] in
 ``lightning_mp/memory/_host.py``); the one-process rows in the launching process under glibc's default (plain
@@ -50,7 +51,7 @@ from lightning_mp.comm import Transport, make_data_plane  # noqa: E402
 from lightning_mp.memory import retain_freed_memory  # noqa: E402
 from lightning_mp.topology import build_pair_groups  # noqa: E402
 from lightning_mp.partition import plan, trace  # noqa: E402
-from lightning_mp.pipeline import PipelineEngine, split_microbatches  # noqa: E402
+from lightning_mp.pipeline import PipelineEngine, split_microbatches, transport_messages  # noqa: E402
 from lightning_mp.pipeline._scheduler import ComputeToken  # noqa: E402
 
 
@@ -120,7 +121,8 @@ class TokenCPU:
     def __init__(self) -> None:
         self.total_s = 0.0
         self._local = threading.local()
-        acquire, release = ComputeToken.acquire, ComputeToken.release
+        # ``_release`` gives the token up; ``release`` also sends the held one-way calls, after it
+        acquire, release = ComputeToken.acquire, ComputeToken._release
 
         def timed_acquire(token: ComputeToken, *args, **kwargs) -> None:
             acquire(token, *args, **kwargs)
@@ -134,7 +136,7 @@ class TokenCPU:
                 self._local.since = None
             return released
 
-        ComputeToken.acquire, ComputeToken.release = timed_acquire, timed_release
+        ComputeToken.acquire, ComputeToken._release = timed_acquire, timed_release
 
 
 def _copy_ties_apart(model: torch.nn.Module, stage_of: dict[str, int]) -> None:
@@ -214,7 +216,7 @@ def _pipeline_rank(
             backward_trips = sent["gbwd"] + sent["bwd"] + sent["getbwd"]  # a loss's fetch rides with its backward
             trips = ((sent["get"] + sent["fwd"]) / steps / microbatches, backward_trips / steps / microbatches)
             kib = sum(engine.bytes_sent.values()) / 1024 / steps / microbatches
-            messages = sum(sent.values()) / steps / microbatches
+            messages = transport_messages(sent) / steps / microbatches
             calls = (sent["call"] + sent["fwd"]) / steps  # one-way calls and calls that wait for their outputs
             out[handles] = {**result, "calls": calls, "trips": trips, "kib": kib, "messages": messages}
         out["reference"] = reference

@@ -4,10 +4,11 @@ from lightning_mp.comm._autograd import REMOTE_ANCHOR, connect_remote_outputs, r
 from lightning_mp.comm._pair import PairDataPlane, PairGroups
 from lightning_mp.comm._planes import DataPlane, DataPlaneError, DataPlaneKind, GlooDataPlane, StrictMockError
 from lightning_mp.comm._transport import Transport, make_data_plane
-from lightning_mp.comm._wire import Message, Packed, pack
+from lightning_mp.comm._wire import Bundle, Message, Packed, bundle, pack
 
 __all__ = [
     "REMOTE_ANCHOR",
+    "Bundle",
     "DataPlane",
     "DataPlaneError",
     "DataPlaneKind",
@@ -18,6 +19,7 @@ __all__ = [
     "PairGroups",
     "StrictMockError",
     "Transport",
+    "bundle",
     "connect_remote_outputs",
     "make_data_plane",
     "pack",

@@ -2,7 +2,8 @@
 
 :func:`pack` turns any picklable object into a :class:`Packed` (the pickle, plus the tensors' storage spans and the
 byte count of the data frame); :func:`gather` copies those spans into one aligned buffer; :func:`_unpack` rebuilds
-the object from the pickle and the received bytes as a :class:`Message`. How the frames travel is
+the object from the pickle and the received bytes as a :class:`Message`; :func:`bundle` makes one message of several
+packed ones, which arrives as a :class:`Bundle` ([Note: bundles on the wire]). How the frames travel is
 :class:`~lightning_mp.comm._transport.Transport`'s business ([Note: one frame per message] there).
 """
 
@@ -11,14 +12,17 @@ from __future__ import annotations
 import dataclasses
 import io
 import pickle
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from lightning_mp.comm._kinds import Span, TensorTable, UnsupportedTensorError, rebuild_tensors
+from lightning_mp.comm._kinds import Span, TensorTable, UnsupportedTensorError, padded, rebuild_tensors
 
-__all__ = ["Message", "Packed", "gather", "pack"]
+__all__ = ["Bundle", "Message", "Packed", "bundle", "gather", "pack"]
+
+_BUNDLE = "bundle"  # the first item of a bundle's pickle frame (a plain message's is a 5-tuple)
 
 
 class _Pickler(pickle.Pickler):
@@ -119,8 +123,61 @@ def pack(obj: Any) -> Packed:
     return Packed(payload, pickler.tensors, table.sources, table.spans, data_nbytes)
 
 
+# [Note: bundles on the wire] A sender that holds several messages for one destination sends them as one message:
+# its pickle frame is ``("bundle", [(part's pickle frame, offset, data_nbytes), ...])`` and its data frame the
+# parts' data frames one after the other, each from a 16-byte aligned offset (so every span stays aligned). The
+# transport sends and receives it as any message (one header, one sequence number); the receiver gets a
+# :class:`Bundle` and unpacks each part on its own (``Bundle.messages``), in order, exactly as if it had arrived
+# alone: its own unpickling (a receiver that collects what unpickling meets, e.g. references, does so per part),
+# its own fresh tensors. Bundles do not nest.
+
+
+def bundle(parts: list[Packed]) -> Packed:
+    """One message carrying ``parts`` (two or more packed messages) in order ([Note: bundles on the wire]).
+
+    Raises:
+        ValueError: fewer than two parts.
+    """
+    if len(parts) < 2:
+        raise ValueError(f"A bundle carries two messages or more, got {len(parts)}.")
+    entries, sources, spans, tensors = [], [], [], []
+    at = 0
+    for part in parts:
+        at = padded(at)
+        entries.append((part.payload, at, part.data_nbytes))
+        sources.extend(part.sources)
+        spans.extend(span._replace(offset=span.offset + at) for span in part.spans)
+        tensors.extend(part.tensors)
+        at += part.data_nbytes
+    payload = pickle.dumps((_BUNDLE, entries), protocol=pickle.HIGHEST_PROTOCOL)
+    return Packed(payload, tensors, sources, spans, at)
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """A received bundle ([Note: bundles on the wire]): what :attr:`Message.obj` is for one.
+
+    Attributes:
+        parts: per part, its pickle frame and its bytes of the data frame (a view of the received buffer, which the
+            receiver may reuse for its next message: unpack every part before receiving again).
+        device: where the parts' tensors go.
+    """
+
+    parts: list[tuple[bytes, torch.Tensor | None]]
+    device: torch.device
+
+    def messages(self, arrived_s: float = 0.0) -> Iterator[Message]:
+        """Each part as the :class:`Message` it would have been alone, unpacked only when the iterator reaches it."""
+        for payload, data in self.parts:
+            yield dataclasses.replace(_unpack(payload, data, self.device), arrived_s=arrived_s)
+
+
 def _unpack(payload: bytes, data: torch.Tensor | None, device: torch.device) -> Message:
-    skeleton, recipes, spans, indices, flags = pickle.loads(payload)
+    loaded = pickle.loads(payload)
+    if loaded[0] == _BUNDLE:
+        parts = [(part, data[at : at + nbytes] if nbytes else None) for part, at, nbytes in loaded[1]]
+        return Message(Bundle(parts, device), [], [])
+    skeleton, recipes, spans, indices, flags = loaded
     every = rebuild_tensors(recipes, spans, data, device)
     tensors = [every[i] for i in indices]
     obj = _Unpickler(io.BytesIO(skeleton), tensors).load()

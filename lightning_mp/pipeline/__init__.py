@@ -11,7 +11,7 @@ buffer updates, random streams), ``_timeline``, ``_microbatch``.
 
 from lightning_mp.pipeline._engine import PipelineEngine, PipelineError, PipelineSession
 from lightning_mp.pipeline._handles import RemoteValue, materialize, owner_computes_loss
-from lightning_mp.pipeline._messages import current_task
+from lightning_mp.pipeline._messages import current_task, transport_messages
 from lightning_mp.pipeline._microbatch import (
     MicrobatchSplit,
     MicrobatchSplitError,
@@ -40,4 +40,5 @@ __all__ = [
     "set_rng_states",
     "split_batch",
     "split_microbatches",
+    "transport_messages",
 ]

@@ -159,7 +159,8 @@ class Caller:
         return output
 
     def call_async(self, stage: int, call_id: CallId, request: CallRequest, task: Task) -> RemoteValue:
-        """Send a "call" request and return a handle to its output at once ([Note: remote handles])."""
+        """Send a "call" request and return a handle to its output at once ([Note: remote handles]); the request is
+        held to go with this rank's next message ([Note: coalesced one-way calls] in ``_core.py``)."""
         self.core.raise_if_failed()
         with _PackingFor(self, stage) as packing:
             packed = pack(self.core.envelope(Kind.CALL, call_id, request, task.microbatch))

@@ -5,7 +5,8 @@ else: the step's name, the lock, the first failure (``fail`` / ``raise_if_failed
 (timeline, message counts, the driver's "done" notices riding along), a request's round trip (``exchange``, whose
 reply a receiving thread delivers), the compute token with its 1F1B priorities and, across the ranks that share an
 execution order, the grant order (leader publishes, followers follow; [Note: deterministic order] in
-``_scheduler.py``), and the set-up of every engine thread. The roles hold a core; the core holds no role.
+``_scheduler.py``), the one-way calls held to go with the next message ([Note: coalesced one-way calls]), and the
+set-up of every engine thread. The roles hold a core; the core holds no role.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import collections
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from lightning_mp.comm import Message, Packed, Transport, pack
+from lightning_mp.comm import Message, Packed, Transport, bundle, pack
 from lightning_mp.pipeline._messages import (
     POLL_S,
     CallId,
@@ -30,6 +32,7 @@ from lightning_mp.pipeline._messages import (
     StepEnd,
     Task,
     current_task,
+    holding_calls,
 )
 from lightning_mp.pipeline._rng import MicrobatchRNG
 from lightning_mp.pipeline._scheduler import ComputeToken, GrantOrder, Priority, priority
@@ -83,9 +86,14 @@ class SessionCore:
         self.threads: list[threading.Thread] = []  # every worker and the order thread, to join at close
         self._futures: dict[CallId, Future] = {}  # replies awaited by ``exchange``
         self._done_unsent: dict[int, list[int]] = {}  # driver: finished microbatches to tell each stage
+        # [Note: coalesced one-way calls]: the held calls (packed, microbatch), all to ``_outbox_peer``
+        self._outbox: list[tuple[Packed, int]] = []
+        self._outbox_peer: int | None = None
+        self._send_locks = {peer: threading.Lock() for peer in self.peers}  # a peer's outbox and sends, in order
         self.token = ComputeToken(self.raise_if_failed)
         self.token.before_release = self._suspend_rng
         self.token.after_acquire = self._resume_rng
+        self.token.flush = lambda release: self.flush(release, quietly=True)
         if self.timeline.enabled:
             self.token.on_release = self._record_compute
         self._order = info.order_transport
@@ -171,9 +179,47 @@ class SessionCore:
             for peer in self.peers:
                 self._done_unsent.setdefault(peer, []).append(microbatch)
 
-    def send(self, message: Any, peer: int, microbatch: int = 0, kind: Kind = Kind.REPLY) -> None:
+    # [Note: coalesced one-way calls] A one-way CALL (``Caller.call_async``) needs no answer, so ``send`` holds it,
+    # packed, in an outbox instead of sending it, and the next message this rank sends to the same stage takes the
+    # held calls along as one transport message, a bundle ([Note: bundles on the wire] in ``comm/_wire.py``; the
+    # receiver takes it apart in order, ``Server._receive_loop``). Per message the sender, gloo's TCP loop thread on
+    # both sides, the listener and a worker each wake up: a loop over remote blocks (``for block in self.h``) sent
+    # one CALL per block, and a CALL followed by a GET of the same microbatch (``logits.size(-1)``) two messages.
+    # Held calls go out, in the program's order:
+    # - with the next message to the same stage (a GET, a GET_BACKWARD, a reply, "end", "close", ...), in one bundle;
+    # - alone or as a bundle, before any message to another stage, and before a CALL to another stage is held (the
+    #   outbox holds calls to one stage): nothing this rank sends overtakes a held call (a nested call, a
+    #   reference to a held call's output, a later step's message);
+    # - when the holder of the compute token releases it or hands it over (``ComputeToken.flush``: the end of a
+    #   microbatch's forward, the wave barrier of "simple", an error), so no held call waits on another task's
+    #   compute and none is left when a task ends or fails. The calls are taken under the stage's send lock, the
+    #   token is given up, then they go: another task computes while they are sent, and which calls go together
+    #   does not depend on what it does (an exchange likewise takes the held calls into its request, releases,
+    #   then sends);
+    # - when a local module with parameters starts on the thread that held them (``send_held_calls`` in the
+    #   global forward pre-hook of ``_handles.py``): its compute would otherwise delay the remote stage.
+    # Only the token holder (the driver's microbatch code) makes one-way calls, so the outbox holds the calls of one
+    # hold of the token: the loop's calls of one forward go as one message, and its GET_BACKWARD separately.
+    # Cost: a held call waits at most until the holder's next message, release or local module with parameters;
+    # between those the driver runs only calls to other stages and code outside modules with parameters. Where that
+    # code is heavy (a functional op on a local weight, ``x @ model.wte.weight.T``, or a module without parameters
+    # doing real work), the owner starts later than it would have. Counted: every message's kind in
+    # ``messages_sent`` as before, and per bundle one "bundle" and its parts in "bundled", so the transport messages
+    # are ``transport_messages(messages_sent)``.
+
+    def send(
+        self,
+        message: Any,
+        peer: int,
+        microbatch: int = 0,
+        kind: Kind = Kind.REPLY,
+        then: Callable[[], Any] | None = None,
+    ) -> None:
         """Send one message (an envelope, or a packed one of ``kind``) to ``peer``, recording it on the timeline and
-        counting it in ``messages_sent`` and its pickle and tensor bytes in ``bytes_sent``.
+        counting it in ``messages_sent`` and its pickle and tensor bytes in ``bytes_sent``. A one-way CALL is held
+        and goes with the next message ([Note: coalesced one-way calls]); any other message takes the calls held
+        for ``peer`` along (one transport message), after sending those held for another stage. ``then`` (the
+        compute token's release, by ``exchange``) runs once those are taken, before the message goes.
 
         Raises:
             TypeError: the message itself cannot be sent (``pack`` says why).
@@ -191,6 +237,68 @@ class SessionCore:
         packed = message if isinstance(message, Packed) else pack(message)
         with self.lock:
             self.info.bytes_sent[kind.value] += len(packed.payload) + packed.data_nbytes
+        if self._outbox_peer not in (None, peer):
+            self.flush()
+        if kind == Kind.CALL:
+            with self.lock:
+                self._outbox.append((packed, microbatch))
+                self._outbox_peer = peer
+            holding_calls(self.flush)
+            if then is not None:
+                then()
+            return
+        with self._send_locks[peer]:
+            with self.lock:
+                parts = self._take_outbox(peer)
+            if then is not None:
+                then()
+            self._transmit([*parts, (packed, microbatch)], peer, start)
+
+    def flush(self, then: Callable[[], Any] | None = None, quietly: bool = False) -> None:
+        """Send the one-way calls held ([Note: coalesced one-way calls]), if any: cheap when none is. ``then`` (the
+        compute token's release) runs once the calls are taken, before they are sent, and also when none is held.
+
+        Raises:
+            PipelineError: the transport failed (e.g. the peer died), naming the stage; recorded as the step's
+                failure instead with ``quietly`` (the token's release must not raise).
+        """
+        peer = self._outbox_peer
+        if peer is None:
+            if then is not None:
+                then()
+            return
+        start = time.perf_counter()
+        with self._send_locks[peer]:  # taken and sent under the lock: a later message to ``peer`` waits for them
+            with self.lock:
+                parts = self._take_outbox(peer)
+            if then is not None:
+                then()
+            if not parts:
+                return
+            try:
+                self._transmit(parts, peer, start)
+            except Exception as err:
+                if not quietly:
+                    raise
+                self.fail(err)
+
+    def _take_outbox(self, peer: int) -> list[tuple[Packed, int]]:
+        """The calls held for ``peer``, now out of the outbox (lock held)."""
+        if self._outbox_peer != peer:
+            return []
+        parts, self._outbox, self._outbox_peer = self._outbox, [], None
+        return parts
+
+    def _transmit(self, parts: list[tuple[Packed, int]], peer: int, start: float) -> None:
+        """Send ``parts`` to ``peer`` as one transport message (a bundle if several), under ``peer``'s send lock."""
+        packed, microbatch = parts[-1]
+        if len(parts) > 1:
+            packed = bundle([part for part, _ in parts])
+            overhead = len(packed.payload) + packed.data_nbytes - sum(len(p.payload) + p.data_nbytes for p, _ in parts)
+            with self.lock:
+                self.info.messages_sent["bundle"] += 1
+                self.info.messages_sent["bundled"] += len(parts)
+                self.info.bytes_sent["bundle"] += overhead
         try:
             self.info.transport.send(packed, peer)
         except TypeError:
@@ -219,9 +327,17 @@ class SessionCore:
         future = Future()
         with self.lock:
             self._futures[call_id] = future
-        with self.token.paused(self.priority(task), self.grant_key(task)):
-            self.send(request, stage, task.microbatch, kind=Kind.FORWARD)
+        # the token is given away once the request has taken the calls held for ``stage`` along, before it is sent
+        # ([Note: coalesced one-way calls]): which calls go with it does not depend on what another task does then
+        priority, key = self.priority(task), self.grant_key(task)
+        released: list[bool] = []
+        try:
+            self.send(request, stage, task.microbatch, kind=Kind.FORWARD,
+                      then=lambda: released.append(self.token.release(flush=False)))
             message: Message = future.wait(self.timeout_s, self.raise_if_failed, f"{what} on {self.describe(stage)}")
+        finally:
+            if released and released[0]:
+                self.token.acquire(priority, key)
         if message.obj.kind == Kind.ERROR:
             raise PipelineError(message.obj.body)
         return message

@@ -116,6 +116,11 @@ class Driver:
                 forward_result = self._forward(step, index, wave)
                 if forward_result is not None:
                     self._backward(step, index, *forward_result, wave)
+            except BaseException as err:
+                # failed before the release sends the calls this microbatch held ([Note: coalesced one-way calls]
+                # in ``_core.py``): the microbatch that takes the token next must not start sending its own
+                self.core.fail(err)
+                raise
             finally:
                 token.release()  # no-op when the backward released it
 

@@ -129,7 +129,9 @@ class PipelineEngine:
         self.gradients = OrderedGradients(current_microbatch)
         self.messages_sent: collections.Counter[str] = collections.Counter()
         """Messages this rank sent, by kind ("call", "get", "gbwd", "getbwd", "fwd", "bwd", "reply", ...), over its
-        lifetime."""
+        lifetime. Messages sent together as one transport message (one-way calls held until the next message,
+        [Note: coalesced one-way calls] in ``_core.py``) count each under its kind, and the bundle once under
+        "bundle" and its parts under "bundled": ``transport_messages(messages_sent)`` is how many went on the wire."""
         self.bytes_sent: collections.Counter[str] = collections.Counter()
         """Bytes (pickle and tensor data) this rank sent, by message kind, over its lifetime."""
         self.timeline = TimelineRecorder()

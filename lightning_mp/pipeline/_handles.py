@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from lightning_mp.pipeline._messages import send_held_calls
 from lightning_mp.pipeline._recorded import (
     _META_ATTRIBUTES,
     _META_METHODS,
@@ -472,12 +473,15 @@ def _fetch_module_inputs(module: Any, args: tuple) -> tuple | None:
     """Global forward pre-hook: a local module gets values, not handles, as its positional arguments (torch's global
     pre-hooks see no keyword arguments; handles there, or deeper in containers, fetch when touched). A loss module
     (``nn.CrossEntropyLoss``, ...) keeps them: its ``F`` function runs on the owner ([Note: the loss where the
-    logits are])."""
+    logits are]). A module with parameters then sends the one-way calls this thread still holds (a fetch took
+    those held for the handle's stage along; [Note: coalesced one-way calls] in ``_core.py``)."""
     if isinstance(module, torch.nn.modules.loss._Loss) and type(module).__module__ == "torch.nn.modules.loss":
         return None  # torch's own; a user's ``_Loss`` subclass may inspect its inputs: it gets values
+    fetched = None
     if any(_is_remote(a) for a in args):
-        return tuple(a._rv_materialize() if _is_remote(a) else a for a in args)
-    return None
+        fetched = tuple(a._rv_materialize() if _is_remote(a) else a for a in args)
+    send_held_calls(module)
+    return fetched
 
 
 _fetch_module_inputs.draws_no_random_numbers = True  # type: ignore[attr-defined]  # see pipeline/_rng.py

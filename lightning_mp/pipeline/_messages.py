@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum, IntEnum
@@ -176,6 +176,35 @@ def current_microbatch() -> int | None:
     """The microbatch this thread computes for, or ``None`` outside the engine's tasks."""
     task = current_task()
     return None if task is None else task.microbatch
+
+
+def transport_messages(messages_sent: Mapping[str, int]) -> int:
+    """How many transport messages ``messages_sent`` (``PipelineEngine.messages_sent``, or a difference of two
+    readings) counts: every message, a bundle of several once ([Note: coalesced one-way calls] in ``_core.py``)."""
+    counted = sum(n for kind, n in messages_sent.items() if kind not in ("bundle", "bundled"))
+    return counted - messages_sent.get("bundled", 0) + messages_sent.get("bundle", 0)
+
+
+_held = threading.local()  # per thread: how to send the one-way calls this thread last held, see below
+
+
+def holding_calls(flush: Callable[[], None] | None) -> None:
+    """This thread holds one-way calls that ``flush`` sends (``None``: it holds none any more); see [Note: coalesced
+    one-way calls] in ``_core.py``."""
+    _held.flush = flush
+
+
+def send_held_calls(module: torch.nn.Module) -> None:
+    """Send the one-way calls this thread holds, if any, before ``module`` computes here, if it has parameters.
+
+    Raises:
+        PipelineError: the transport failed (e.g. the peer died), naming the stage.
+    """
+    flush = getattr(_held, "flush", None)
+    if flush is None or next(module.parameters(), None) is None:
+        return
+    _held.flush = None
+    flush()
 
 
 @contextmanager

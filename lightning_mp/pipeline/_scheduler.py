@@ -101,6 +101,11 @@ class ComputeToken:
         after_acquire: if set, called by a thread right after it took the token (before it computes).
         before_release: if set, called by the holder right before it gives the token up (while no other thread
             can compute), e.g. to save per-task state of process-wide objects (see [Note: microbatch RNG streams]).
+        flush: if set, called by the holder's thread when it gives the token up, unless told not to (``paused``),
+            with the giving up itself, which it must call exactly once, and when it hands the token over
+            (``handover``, holding it) with a no-op: the engine takes the one-way calls the holder held, gives the
+            token up and sends them, so another task computes meanwhile ([Note: coalesced one-way calls] in
+            ``_core.py``). It must not raise.
     """
 
     def __init__(self, check_failed: Callable[[], None], poll_s: float = 0.5) -> None:
@@ -117,6 +122,7 @@ class ComputeToken:
         self.on_release: Callable[[float], None] | None = None
         self.after_acquire: Callable[[], None] | None = None
         self.before_release: Callable[[], None] | None = None
+        self.flush: Callable[[Callable[[], None]], None] | None = None
         self.order: GrantOrder | None = None
         self._decided: collections.deque[Hashable] = collections.deque()
         self._stalled: tuple[str, float] | None = None  # follower: (which stall, since when), see below
@@ -231,10 +237,18 @@ class ComputeToken:
         if self.after_acquire is not None:
             self.after_acquire()
 
-    def release(self) -> bool:
-        """Give the token back if this thread holds it. Returns whether it did."""
+    def release(self, flush: bool = True) -> bool:
+        """Give the token back if this thread holds it (through ``flush`` unless told not to). Returns whether it
+        did."""
         if self._holder != threading.get_ident():  # only the holder itself changes a holder that is this thread
             return False
+        if not flush or self.flush is None:
+            return self._release()
+        released: list[bool] = []
+        self.flush(lambda: released.append(self._release()))
+        return released[0]
+
+    def _release(self) -> bool:
         if self.before_release is not None:
             self.before_release()
         with self._lock:
@@ -252,8 +266,11 @@ class ComputeToken:
 
         Without an order this costs nothing when no better task waits; with an order
         (leader or follower) the token is given back and taken again, so the grant is published / followed.
-        Records the span so far (``on_release``) when the token is kept, as if it had been released.
+        Records the span so far (``on_release``) when the token is kept, as if it had been released. Calls ``flush``
+        first, holding the token.
         """
+        if self.flush is not None:
+            self.flush(lambda: None)
         me = threading.get_ident()
         with self._lock:
             if self._holder != me:
@@ -265,7 +282,7 @@ class ComputeToken:
             if self.on_release is not None:
                 self.on_release(since)
             return
-        self.release()
+        self.release(flush=False)
         self.acquire(priority, key)
 
     @contextmanager
@@ -278,9 +295,10 @@ class ComputeToken:
             self.release()
 
     @contextmanager
-    def paused(self, priority: Priority, key: Hashable = None) -> Iterator[None]:
-        """Give the token away for the body (a wait on communication), then take it back if it was held."""
-        held = self.release()
+    def paused(self, priority: Priority, key: Hashable = None, flush: bool = True) -> Iterator[None]:
+        """Give the token away for the body (a wait on communication), then take it back if it was held.
+        ``flush=False``: the body sends a message itself, which does what ``flush`` would."""
+        held = self.release(flush)
         try:
             yield
         finally:

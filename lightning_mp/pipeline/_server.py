@@ -14,13 +14,13 @@ import dataclasses
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from lightning_mp.comm import Message, pack, ragged_like
+from lightning_mp.comm import Bundle, Message, pack, ragged_like
 from lightning_mp.pipeline._core import SessionCore
 from lightning_mp.pipeline._handles import _unpacked
 from lightning_mp.pipeline._messages import (
@@ -203,7 +203,14 @@ class Server:
     # ---- receiving -------------------------------------------------------------------------------------------
 
     def _receive_loop(self, peer: int) -> bool:
-        """Receive from ``peer`` until a request came (served here: returns True) or nothing more will (False)."""
+        """Receive from ``peer`` until a request came (served here: returns True) or nothing more will (False).
+
+        A bundle ([Note: coalesced one-way calls] in ``_core.py``) is taken apart here, in order, each part exactly
+        as if it had arrived alone (its own unpickling and references, ``OutputStore.received``, place in its chain,
+        "done" notices); then this worker serves the first request that may run now, and the others that may (of
+        another chain, which is rare: a bundle holds one microbatch's calls and the message that took them along)
+        on threads of their own; the rest wait in their chains as any request does.
+        """
         while True:
             _unpacked.refs = refs = []  # references to this stage's outputs met while unpickling
             try:
@@ -211,26 +218,54 @@ class Server:
             except Exception as err:
                 self.core.fail(PipelineError(f"Lost contact with {self.core.describe(peer)}: {err}"))
                 return False
-            envelope: Envelope = message.obj
             self._last_heard = time.monotonic()
-            self.core.timeline.record("recv", f"from stage {peer}", envelope.microbatch, message.arrived_s)
-            if envelope.step != self.core.step:
-                if _late(envelope, self.core.step):
-                    continue  # a late answer of a step that failed here (it closed without waiting): not for this step
-                self._fail_out_of_step(envelope, peer)
+            ready: list[tuple[_Chain | None, Message, list]] = []  # requests to serve now, in order
+            more = True
+            for index, (part, refs) in enumerate(_parts(message, refs)):
+                envelope: Envelope = part.obj
+                if index == 0:
+                    self.core.timeline.record("recv", f"from stage {peer}", envelope.microbatch, message.arrived_s)
+                if envelope.step != self.core.step:
+                    if _late(envelope, self.core.step):
+                        continue  # a late answer of a step that failed here (closed without waiting): not this step's
+                    self._fail_out_of_step(envelope, peer)
+                    more = False
+                    break
+                for microbatch in envelope.done:
+                    self.store.free(microbatch)
+                if envelope.kind == Kind.CLOSE:
+                    if envelope.body is not None:  # [Note: "close" carries the step's failure] in ``_engine.py``
+                        self.core.fail(PipelineError(f"The step failed on {self.core.describe(peer)}: {envelope.body}"))
+                    more = False
+                    break
+                if envelope.kind in (Kind.REPLY, Kind.ERROR):
+                    self.core.deliver(part)
+                elif envelope.kind == Kind.END:
+                    self._end.set(part)
+                else:
+                    chain = self._admit(peer, envelope, part, refs)
+                    if chain is not False:
+                        ready.append((chain, part, refs))
+            if ready and more:
+                self._hand_on_listening(peer)
+            for item in ready[1:] if more else ready:
+                self.core.start_thread(self._serve_alone, f"smp-serve-{peer}", peer, item)
+            if not more:
                 return False
-            for microbatch in envelope.done:
-                self.store.free(microbatch)
-            if envelope.kind == Kind.CLOSE:
-                if envelope.body is not None:  # [Note: "close" carries the step's failure] in ``_engine.py``
-                    self.core.fail(PipelineError(f"The step failed on {self.core.describe(peer)}: {envelope.body}"))
-                return False
-            if envelope.kind in (Kind.REPLY, Kind.ERROR):
-                self.core.deliver(message)
-            elif envelope.kind == Kind.END:
-                self._end.set(message)
-            elif self._take_request(peer, envelope, message, refs):
+            if ready:
+                self._serve_item(peer, *ready[0])
                 return True
+
+    def _serve_alone(self, peer: int, item: tuple[_Chain | None, Message, list]) -> None:
+        """A thread of its own serves a request that came in a bundle behind another one it may run beside."""
+        self.core.enter_thread()
+        self._serve_item(peer, *item)
+
+    def _serve_item(self, peer: int, chain: _Chain | None, message: Message, refs: list) -> None:
+        if chain is None:
+            self._serve_request(peer, message, refs)
+        else:
+            self._serve_chain(peer, chain, message, refs)
 
     def _fail_out_of_step(self, envelope: Envelope, peer: int) -> None:
         self.core.fail(
@@ -242,27 +277,22 @@ class Server:
             )
         )
 
-    def _take_request(self, peer: int, envelope: Envelope, message: Message, refs: list) -> bool:
-        """Serve a request on this thread (True), or queue it behind its chain (False: go on listening).
+    def _admit(self, peer: int, envelope: Envelope, message: Message, refs: list) -> _Chain | None | bool:
+        """A received request, in arrival order: its chain when it may run now (``None`` without chains), or
+        ``False`` when it waits in its chain behind an earlier request, which is being served.
 
-        [Note: request workers] another worker listens to this peer, and this one, already awake with the request
-        in hand, serves it (one thread wake-up less on the critical path than handing it over). With remote handles
-        its place in its chain is taken first, before the next request from this peer can arrive; one that must
-        wait for an earlier request of its chain is queued, runs on that one's thread after it, and this worker
+        [Note: request workers] another worker then listens to this peer, and this one, already awake with the
+        request in hand, serves it (one thread wake-up less on the critical path than handing it over). With remote
+        handles its place in its chain is taken first, before the next request from this peer can arrive; one that
+        must wait for an earlier request of its chain is queued, runs on that one's thread after it, and this worker
         goes on listening.
         """
         if not self.remote_handles:
             with self.core.lock:
                 self._serving += 1
-            self._hand_on_listening(peer)
-            self._serve_request(peer, message, refs)
-            return True
+            return None
         chain = self._enter_chain(peer, envelope, message, refs)
-        if chain is None:
-            return False
-        self._hand_on_listening(peer)
-        self._serve_chain(peer, chain, message, refs)
-        return True
+        return False if chain is None else chain
 
     # ---- chains ----------------------------------------------------------------------------------------------
 
@@ -419,6 +449,20 @@ class Server:
         if pairs:
             self.backward([out for out, _ in pairs], [grad for _, grad in pairs], saved.leaves)
         return self.core.envelope(Kind.REPLY, envelope.call_id, [leaf.grad for leaf in saved.leaves], envelope.microbatch)
+
+
+def _parts(message: Message, refs: list) -> Iterator[tuple[Message, list]]:
+    """``message``, or each part of a bundle unpacked in turn, with the references its unpickling met."""
+    if not isinstance(message.obj, Bundle):
+        yield message, refs
+        return
+    parts = message.obj.messages(message.arrived_s)
+    while True:
+        _unpacked.refs = refs = []
+        part = next(parts, None)
+        if part is None:
+            return
+        yield part, refs
 
 
 def _phase(kind: Kind) -> Phase:

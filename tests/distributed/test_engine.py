@@ -382,8 +382,9 @@ def _requests_of_one_microbatch(rank: int, world_size: int) -> dict:
 
 
 def test_a_sequential_run_on_another_stage_is_one_request():
-    """layers.3..5 (an nn.Sequential's last three children) and head live on stage 1: 2 one-way calls forward, then
-    the loss (on head's stage) fetched with its backward in one request."""
+    """layers.3..5 (an nn.Sequential's last three children) and head live on stage 1: 2 one-way calls forward, sent
+    together as one message ([Note: coalesced one-way calls] in pipeline/_core.py), then the loss (on head's stage)
+    fetched with its backward in one request."""
     driver, server = run_distributed(_requests_of_one_microbatch, 2)
-    assert driver["requests"] == 3, "one per run (layers[3:6], head) and the loss's, not one per child (8)"
+    assert driver["requests"] == 2, "the calls of the runs (layers[3:6], head) in one, the loss's; not one per child"
     assert server["served"] == ["head", "layers[3:6]"]

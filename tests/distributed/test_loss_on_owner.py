@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_mp.pipeline import transport_messages
 from tests._dist import run_distributed
 from tests.distributed.test_remote_handles import _assert_matches, _batch as _regression_batch, _pipelined, _reference
 from tests.models import tiny_gpt2
@@ -124,9 +125,11 @@ def test_hf_gpt2_labels_loss_on_the_head_stage_matches_one_process():
     for kinds in results[0]["kinds"]:
         # per microbatch: 3 one-way calls (h.1, ln_f, lm_head), ``logits.device`` (metadata only), and the loss with
         # its backward in one exchange (``BaseModelOutputWithPast`` asks ``is_tensor`` of the final norm's output, an
-        # ``nn.LayerNorm``'s: known here, [Note: handles in Hugging Face outputs]; the hidden states never cross)
+        # ``nn.LayerNorm``'s: known here, [Note: handles in Hugging Face outputs]; the hidden states never cross);
+        # the calls go with the metadata fetch as one message ([Note: coalesced one-way calls] in pipeline/_core.py)
         assert kinds == {"call": 3 * MICROBATCHES, "get": MICROBATCHES, "getbwd": MICROBATCHES, "end": 1,
-                         "close": 1}, kinds
+                         "close": 1, "bundle": MICROBATCHES, "bundled": 4 * MICROBATCHES}, kinds
+        assert transport_messages(kinds) == 2 * MICROBATCHES + 2, kinds  # was 5 per microbatch
     for kinds in results[1]["kinds"]:
         assert kinds == {"reply": 2 * MICROBATCHES, "close": 1}, kinds
     for rank, result in enumerate(results):
@@ -152,6 +155,7 @@ def test_loss_fetch_and_backward_take_one_exchange_per_microbatch():
     _assert_matches(results, _reference(_mlp_step, _mlp, 4, _regression_batch))
     for driver, owner in zip(results[0]["kinds"], results[1]["kinds"]):
         assert driver == {"call": 4, "getbwd": 4, "end": 1, "close": 1}, driver  # was a GET and a FETCH_BACKWARD each
+        assert transport_messages(driver) == 2 * 4 + 2, driver  # the call goes at the forward's end, on its own
         assert owner == {"reply": 4, "close": 1}, owner
 
 

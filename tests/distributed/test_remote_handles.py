@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_mp.pipeline import PipelineEngine, RemoteValue, split_microbatches
+from lightning_mp.pipeline import PipelineEngine, RemoteValue, split_microbatches, transport_messages
 from tests._dist import make_transport, run_distributed
 from tests.models import expand_placement, tiny_gpt2
 
@@ -173,12 +173,14 @@ def _loop_step(model: Touchy, batch, log) -> torch.Tensor:
 
 @pytest.mark.parametrize("plane", ["gloo", "strict_mock"])
 def test_backward_through_chained_handles_matches_one_process_in_one_round_trip_each_way(plane):
-    """blocks 1..3 on stage 1 in a ModuleList loop: 3 one-way calls, then 1 fetch and 1 backward per microbatch."""
+    """blocks 1..3 on stage 1 in a ModuleList loop: 3 one-way calls, then 1 fetch and 1 backward per microbatch;
+    the calls go with the fetch, as one message ([Note: coalesced one-way calls] in pipeline/_core.py)."""
     placement = {"blocks.1": 1, "blocks.2": 1, "blocks.3": 1}
     results = run_distributed(_pipelined, 2, _loop_step, Touchy, placement, 4, 3, _batch, plane)
     _assert_matches(results, _reference(_loop_step, Touchy, 4))
     for kinds in results[0]["kinds"]:
-        assert kinds == {"call": 3 * 4, "get": 4, "gbwd": 4, "close": 1, "end": 1}, kinds
+        assert kinds == {"call": 3 * 4, "get": 4, "gbwd": 4, "close": 1, "end": 1, "bundle": 4, "bundled": 4 * 4}, kinds
+        assert transport_messages(kinds) == 2 * 4 + 2, kinds  # per microbatch: calls and fetch, backward
 
 
 class Returned(nn.Module):
