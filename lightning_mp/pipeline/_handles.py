@@ -45,7 +45,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from lightning_mp.pipeline._recorded import (
     _META_ATTRIBUTES,
@@ -64,6 +63,8 @@ from lightning_mp.pipeline._recorded import (
     _RecordedMethod,
     _step,
     owner_path,
+    tree_leaves,
+    tree_map,
 )
 
 __all__ = ["RemoteValue", "materialize", "owner_computes_loss", "recording_loss_scalings"]
@@ -284,7 +285,7 @@ class RemoteValue:
         if torch.is_inference_mode_enabled() or _autocast_on():
             return False
         nbytes = 0
-        for leaf in pytree.tree_leaves(tree, is_leaf=_is_remote):
+        for leaf in tree_leaves(tree):
             if _is_remote(leaf):
                 if (type(leaf) is not RemoteValue or leaf._rv_session is not self._rv_session
                         or leaf._rv_call_id != self._rv_call_id or leaf._rv_fetched):
@@ -300,9 +301,7 @@ class RemoteValue:
         weights: small, see ``_rv_may_record``) are copied now, so an in-place change after this line does not
         reach the loss the owner computes later (eager code reads them at this line)."""
         if op.kind == "function":
-            args, kwargs = pytree.tree_map(
-                lambda t: t.clone() if type(t) is torch.Tensor else t, (op.args, op.kwargs), is_leaf=_is_remote
-            )
+            args, kwargs = tree_map(lambda t: t.clone() if type(t) is torch.Tensor else t, (op.args, op.kwargs))
             op = _Op(op.kind, op.target, args, kwargs, op.grad_enabled)
         child = RemoteValue(self._rv_session, self._rv_stage, self._rv_call_id, self._rv_microbatch,
                             self._rv_path + (op,), self, self._rv_upstream, self._rv_label)
@@ -334,9 +333,9 @@ class RemoteValue:
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func in _OWNER_FUNCTIONS:  # [Note: the loss where the logits are]
-            first = next((v for v in pytree.tree_leaves((args, kwargs), is_leaf=_is_remote) if _is_remote(v)), None)
+            first = next((v for v in tree_leaves((args, kwargs)) if _is_remote(v)), None)
             if first is not None and first._rv_may_record((args, kwargs)):
-                args, kwargs = pytree.tree_map(lambda v: _SELF if v is first else v, (args, kwargs), is_leaf=_is_remote)
+                args, kwargs = tree_map(lambda v: _SELF if v is first else v, (args, kwargs))
                 return first._rv_record(_Op("function", func, args, kwargs, torch.is_grad_enabled()))
         return func(*materialize(args), **materialize(kwargs))
 
@@ -458,7 +457,7 @@ def materialize(tree: Any) -> Any:
         return tree._rv_materialize()
     if type(tree) in (tuple, list, dict) and not tree:
         return tree
-    return pytree.tree_map(lambda v: v._rv_materialize() if _is_remote(v) else v, tree, is_leaf=_is_remote)
+    return tree_map(lambda v: v._rv_materialize() if _is_remote(v) else v, tree)
 
 
 def owner_computes_loss(value: Any) -> bool:
