@@ -472,11 +472,14 @@ def _fetch_module_inputs(module: Any, args: tuple) -> tuple | None:
     pre-hooks see no keyword arguments; handles there, or deeper in containers, fetch when touched). A loss module
     (``nn.CrossEntropyLoss``, ...) keeps them: its ``F`` function runs on the owner ([Note: the loss where the
     logits are])."""
+    for a in args:  # runs before every module call of the process: no generator, no call per argument
+        if type(a) in _REMOTE_TYPES:
+            break
+    else:
+        return None
     if isinstance(module, torch.nn.modules.loss._Loss) and type(module).__module__ == "torch.nn.modules.loss":
         return None  # torch's own; a user's ``_Loss`` subclass may inspect its inputs: it gets values
-    if any(_is_remote(a) for a in args):
-        return tuple(a._rv_materialize() if _is_remote(a) else a for a in args)
-    return None
+    return tuple(a._rv_materialize() if _is_remote(a) else a for a in args)
 
 
 _fetch_module_inputs.draws_no_random_numbers = True  # type: ignore[attr-defined]  # see pipeline/_rng.py
