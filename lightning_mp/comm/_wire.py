@@ -138,11 +138,11 @@ def pack(obj: Any) -> Packed:
     return Packed(payload, pickler.tensors, table.sources, table.spans, data_nbytes)
 
 
-def _unpack(payload: bytes, data: torch.Tensor | None, device: torch.device) -> Message:
+def _unpack(payload: bytes, data: torch.Tensor | None, device: torch.device, arrived_s: float = 0.0) -> Message:
     skeleton, recipes, spans, indices, flags = pickle.loads(payload)
     every = rebuild_tensors(recipes, spans, data, device)
     tensors = [every[i] for i in indices]
-    return Message(_load(skeleton, tensors), tensors, flags, skeleton=skeleton)
+    return Message(_load(skeleton, tensors), tensors, flags, arrived_s, skeleton)
 
 
 def gather(packed: Packed, buffer: torch.Tensor) -> bool:

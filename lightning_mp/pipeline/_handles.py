@@ -145,28 +145,33 @@ class RemoteValue:
 
     def __init__(self, session: Any, stage: int, call_id: tuple[int, int], microbatch: int, path: tuple = (),
                  parent: RemoteValue | None = None, upstream: dict | None = None, label: str = "") -> None:
-        self._rv_session = session
-        self._rv_stage = stage
-        self._rv_call_id = call_id
-        self._rv_microbatch = microbatch
-        self._rv_path = path
-        self._rv_parent = parent
-        self._rv_upstream = upstream if upstream is not None else {}  # call_id -> caller tensors sent as data
-        self._rv_label = label
-        self._rv_grad_enabled = parent._rv_grad_enabled if parent is not None else True  # the call's grad mode
-        # shared by every part of one call's output: set once any part is fetched (a fetched part may be changed
-        # here in place, so from then on no part of the output goes as a reference: the owner's copy may be stale)
-        self._rv_touched: list[bool] = parent._rv_touched if parent is not None else [False]
-        self._rv_fetched = False
-        self._rv_value: Any = None
-        self._rv_children: dict[Any, RemoteValue] = {}
-        self._rv_lock = parent._rv_lock if parent is not None else threading.RLock()  # one per call's output
-        # [Note: the loss where the logits are]: the op this handle's path ends in; whether its path holds one;
-        # whether fetching it fetches the output and applies the path's shape ops here
-        self._rv_op: _Op | None = None
-        self._rv_has_op = parent._rv_has_op if parent is not None else False
-        self._rv_local = parent._rv_local if parent is not None else False
-        self._rv_tensor_known = False  # the call's module class says its output is a tensor (``Caller.call_async``)
+        # set through ``__dict__``: ``__setattr__`` is a Python call per attribute, and a handle is made per remote call
+        child = parent is not None
+        self.__dict__.update(
+            _rv_session=session,
+            _rv_stage=stage,
+            _rv_call_id=call_id,
+            _rv_microbatch=microbatch,
+            _rv_path=path,
+            _rv_parent=parent,
+            _rv_upstream=upstream if upstream is not None else {},  # call_id -> caller tensors sent as data
+            _rv_label=label,
+            _rv_grad_enabled=parent._rv_grad_enabled if child else True,  # the call's grad mode
+            # shared by every part of one call's output: set once any part is fetched (a fetched part may be changed
+            # here in place, so from then on no part of the output goes as a reference: the owner's copy may be
+            # stale)
+            _rv_touched=parent._rv_touched if child else [False],
+            _rv_fetched=False,
+            _rv_value=None,
+            _rv_children={},
+            _rv_lock=parent._rv_lock if child else threading.RLock(),  # one per call's output
+            # [Note: the loss where the logits are]: the op this handle's path ends in; whether its path holds one;
+            # whether fetching it fetches the output and applies the path's shape ops here
+            _rv_op=None,
+            _rv_has_op=parent._rv_has_op if child else False,
+            _rv_local=parent._rv_local if child else False,
+            _rv_tensor_known=False,  # the call's module class says its output is a tensor (``Caller.call_async``)
+        )
 
     # ---- fetching -------------------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ handle is fetched or passed back to it, so only their result travels (a loss's s
 from __future__ import annotations
 
 import operator
+import types
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,10 +36,10 @@ def _is_remote(value: Any) -> bool:
 # that pytree walks (named tuples, ``OrderedDict``, ``deque``, registered classes such as Hugging Face's
 # ``ModelOutput``) to pytree, with handles as leaves (``is_leaf=_is_remote``): the same leaves, in the same order
 # (pytree's: a dict's insertion order), the same rebuilt containers, and ``fn`` called once per leaf in that order.
-_PLAIN_LEAVES = frozenset((
+_PLAIN_LEAVES = set((
     int, float, bool, complex, str, bytes, type(None), type(Ellipsis), slice, torch.Tensor, torch.nn.Parameter,
-    torch.dtype, torch.device,
-))  # never pytree nodes (``torch.Size`` is one: pytree walks it)
+    torch.dtype, torch.device, types.FunctionType, types.BuiltinFunctionType,
+))  # never pytree nodes (``torch.Size`` is one: pytree walks it); this module's own classes join below
 
 
 def _pytree_node(value: Any) -> bool:
@@ -201,6 +202,9 @@ class _NoAttribute:
 
     def __reduce__(self) -> Any:
         return (_NoAttribute, (self.type_name,))
+
+
+_PLAIN_LEAVES.update((_SelfValue, _PathArg, _Op, _NoAttribute))
 
 
 def _fetch_metadata(handle: RemoteValue, op: _Op) -> Any:

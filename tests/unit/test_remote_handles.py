@@ -52,7 +52,9 @@ def test_tree_walkers_match_pytree():
 
         seen_ours, seen_pytree = [], []
         ours = tree_map(lambda v: seen_ours.append(v) or ("leaf", len(seen_ours)), tree)
-        theirs = pytree.tree_map(lambda v: seen_pytree.append(v) or ("leaf", len(seen_pytree)), tree, is_leaf=_is_remote)
+        theirs = pytree.tree_map(
+            lambda v: seen_pytree.append(v) or ("leaf", len(seen_pytree)), tree, is_leaf=_is_remote
+        )
         assert len(seen_ours) == len(seen_pytree) and all(a is b for a, b in zip(seen_ours, seen_pytree)), tree
         assert pytree.tree_structure(ours) == pytree.tree_structure(theirs), tree
         assert pytree.tree_leaves(ours) == pytree.tree_leaves(theirs), tree
