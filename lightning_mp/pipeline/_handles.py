@@ -429,20 +429,18 @@ class _Ref(RemoteValue):
     """
 
     def __init__(self, call_id: tuple[int, int], path: tuple, microbatch: int) -> None:
-        self._rv_call_id = call_id
-        self._rv_path = path
-        self._rv_microbatch = microbatch
-        self._rv_fetched = False
-        self._rv_value = None
-        self._rv_resolver = None
-        self._rv_lock = threading.Lock()
+        self.__dict__.update(  # not through ``__setattr__`` (see ``RemoteValue.__init__``)
+            _rv_call_id=call_id, _rv_path=path, _rv_microbatch=microbatch, _rv_fetched=False, _rv_value=None,
+            _rv_resolver=None, _rv_lock=threading.Lock(),
+        )
 
     def _rv_materialize(self) -> Any:
         if not self._rv_fetched:
             if self._rv_resolver is None:
                 raise RuntimeError("internal: a reference to a remote output was touched before it was resolved")
-            self._rv_value = self._rv_resolver(self._rv_call_id, self._rv_path, self._rv_microbatch)
-            self._rv_fetched = True
+            own = self.__dict__  # not through ``__setattr__`` (see ``RemoteValue.__init__``)
+            own["_rv_value"] = self._rv_resolver(self._rv_call_id, self._rv_path, self._rv_microbatch)
+            own["_rv_fetched"] = True
         return self._rv_value
 
     def __reduce_ex__(self, protocol: int) -> Any:
@@ -567,5 +565,5 @@ def resolve(tree: Any, refs: list[_Ref], resolver: Any) -> Any:
     if not refs:
         return tree
     for ref in refs:
-        ref._rv_resolver = resolver
+        ref.__dict__["_rv_resolver"] = resolver  # not through ``__setattr__``
     return materialize(tree)
