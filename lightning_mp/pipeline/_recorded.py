@@ -43,8 +43,8 @@ _PLAIN_LEAVES = set((
 
 
 def _pytree_node(value: Any) -> bool:
-    """Whether pytree walks into ``value`` (a node other than an exact tuple, list or dict)."""
-    return type(value) not in _PLAIN_LEAVES and not pytree.tree_is_leaf(value, is_leaf=_is_remote)
+    """Whether pytree walks into ``value`` (asked of values that are no exact tuple, list, dict or plain leaf)."""
+    return not pytree.tree_is_leaf(value, is_leaf=_is_remote)
 
 
 def tree_map(fn: Any, tree: Any) -> Any:
@@ -57,7 +57,7 @@ def tree_map(fn: Any, tree: Any) -> Any:
         return [tree_map(fn, v) for v in tree]
     if kind is dict:
         return {k: tree_map(fn, v) for k, v in tree.items()}
-    if kind in _REMOTE_TYPES or not _pytree_node(tree):
+    if kind in _PLAIN_LEAVES or kind in _REMOTE_TYPES or not _pytree_node(tree):
         return fn(tree)
     return pytree.tree_map(fn, tree, is_leaf=_is_remote)
 
@@ -74,7 +74,7 @@ def tree_leaves(tree: Any, leaves: list | None = None) -> list:
     elif kind is dict:
         for v in tree.values():
             tree_leaves(v, leaves)
-    elif kind in _REMOTE_TYPES or not _pytree_node(tree):
+    elif kind in _PLAIN_LEAVES or kind in _REMOTE_TYPES or not _pytree_node(tree):
         leaves.append(tree)
     else:
         leaves.extend(pytree.tree_leaves(tree, is_leaf=_is_remote))
