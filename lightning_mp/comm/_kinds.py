@@ -206,11 +206,17 @@ class TensorTable:
             return offset
         if compact:
             tensors = [tensors[0].detach().resolve_conj().resolve_neg().contiguous()]
-        align = max(t.element_size() for t in tensors)
-        extents = [_byte_extent(t) for t in tensors]
-        first = min(start for start, _ in extents) // align * align
-        end = max(stop for _, stop in extents)
-        on_cpu = all(i in self._cpu_inner for i in group)
+        if len(tensors) == 1:  # most messages: one tensor per storage (the same sums, without a generator each)
+            align = tensors[0].element_size()
+            first, end = _byte_extent(tensors[0])
+            first = first // align * align
+            on_cpu = group[0] in self._cpu_inner
+        else:
+            align = max(t.element_size() for t in tensors)
+            extents = [_byte_extent(t) for t in tensors]
+            first = min(start for start, _ in extents) // align * align
+            end = max(stop for _, stop in extents)
+            on_cpu = all(i in self._cpu_inner for i in group)
         self.spans.append(Span(offset, end - first, padded(end - first, align), on_cpu))
         self.sources.append(_storage_bytes(tensors[0], first, end))
         for index, sent in zip(group, tensors):

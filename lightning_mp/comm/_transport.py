@@ -36,7 +36,6 @@ left with is returned beside them (:class:`Message`), and the receiver decides w
 
 from __future__ import annotations
 
-import dataclasses
 import struct
 import threading
 import time
@@ -53,6 +52,10 @@ from lightning_mp.comm._wire import Message, Packed, _unpack, gather, pack
 
 __all__ = ["Transport", "make_data_plane"]
 
+# [Note: control frames without dist.send] The control frames are uint8 CPU tensors between two members of the
+# transport's gloo group, with group ranks: ``dist.send`` / ``dist.recv`` would check exactly that, in about 35 Python
+# calls per frame (torch-function dispatch, group and rank canonicalisation, the exception logger), before calling the
+# process group's own ``send`` / ``recv`` and waiting; the transport calls those itself (same tag 0, same errors).
 _HEADER_NBYTES = 1 << 20  # the largest header frame; a message sends only the bytes it uses
 _LENGTHS_NBYTES = 32  # int64 pickle_nbytes, data_nbytes, seq, inline (0 or 1)
 
@@ -123,9 +126,10 @@ class Transport:
             seq = self._send_seq[dst]
             self._send_seq[dst] = seq + 1
             struct.pack_into("<qqqq", header, 0, payload_nbytes, packed.data_nbytes, seq, int(bool(inline_data)))
-            dist.send(torch.frombuffer(header, dtype=torch.uint8), group=self.group, group_dst=dst)
+            # [Note: control frames without dist.send]
+            self.group.send([torch.frombuffer(header, dtype=torch.uint8)], dst, 0).wait()
             if not inline:
-                dist.send(torch.frombuffer(bytearray(packed.payload), dtype=torch.uint8), group=self.group, group_dst=dst)
+                self.group.send([torch.frombuffer(bytearray(packed.payload), dtype=torch.uint8)], dst, 0).wait()
             if wire is not None:
                 self.data_plane.send(wire, dst, seq)
 
@@ -139,7 +143,7 @@ class Transport:
         header = self._recv_buffers[src]  # one receiving thread per peer at a time: reused
         if header is None:
             header = self._recv_buffers[src] = torch.empty(_HEADER_NBYTES, dtype=torch.uint8)
-        dist.recv(header, group=self.group, group_src=src)
+        self.group.recv([header], src, 0).wait()  # [Note: control frames without dist.send]
         arrived_s = time.perf_counter()
         raw = header.numpy()
         payload_nbytes, data_nbytes, seq, inline_data = struct.unpack_from("<qqqq", raw, 0)
@@ -150,7 +154,7 @@ class Transport:
             payload = raw[_LENGTHS_NBYTES : _LENGTHS_NBYTES + payload_nbytes].tobytes()
         else:
             pickled = torch.empty(payload_nbytes, dtype=torch.uint8)
-            dist.recv(pickled, group=self.group, group_src=src)
+            self.group.recv([pickled], src, 0).wait()
             payload = pickled.numpy().tobytes()
         data = None
         if inline_data:  # [Note: one frame per message]; _unpack copies the tensors out of the reused buffer
@@ -160,7 +164,7 @@ class Transport:
             # [Note: two planes] the data receive is posted only now, with the byte count from the header.
             self.data_plane.header_read(src, seq, data_nbytes)
             data = self.data_plane.recv(data_nbytes, src, seq)
-        return dataclasses.replace(_unpack(payload, data, self.device), arrived_s=arrived_s)
+        return _unpack(payload, data, self.device, arrived_s)
 
     def close(self) -> None:
         """Stop the data plane's threads (after its sends in flight are done)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import pickle
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,16 @@ _BUNDLE = "bundle"  # the first item of a bundle's pickle frame (a plain message
 
 
 class _Pickler(pickle.Pickler):
+    """Pickles a message's skeleton: each tensor becomes a call of ``_tensor_at`` with its placeholder index.
+
+    [Note: tensor placeholders] The placeholders come from ``reducer_override``, not ``persistent_id``: pickle asks
+    ``persistent_id`` (a Python call) of every object it saves, ints, strings and tuples included, about 60 per
+    request of the pipeline engine, but ``reducer_override`` only of objects that are not exactly ``None``, a bool,
+    an int, a float, bytes, a string, a tuple, a list, a dict or a set, and that it has not saved already in this
+    pickle (its memo): the envelope, the enum of its kind, classes and functions, the tensors. The skeleton calls
+    ``_tensor_at(i)``, which reads the receiving thread's tensors while ``_load`` runs.
+    """
+
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.table = TensorTable()
@@ -33,24 +44,33 @@ class _Pickler(pickle.Pickler):
         self.indices: list[int] = []  # each one's index in the table
         self._index: dict[int, int] = {}
 
-    def persistent_id(self, obj: Any) -> int | None:
+    def reducer_override(self, obj: Any) -> Any:
         if not issubclass(type(obj), torch.Tensor):  # type(), not isinstance: a proxy's __class__ may fetch
-            return None
+            return NotImplemented
         key = id(obj)
         if key not in self._index:
             self.indices.append(self.table.add(obj))
             self._index[key] = len(self.tensors)
             self.tensors.append(obj)
-        return self._index[key]
+        return (_tensor_at, (self._index[key],))
 
 
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
-        super().__init__(file)
-        self._tensors = tensors
+_loading = threading.local()  # the tensors of the skeleton being loaded on this thread (``_load``)
 
-    def persistent_load(self, pid: int) -> torch.Tensor:
-        return self._tensors[pid]
+
+def _tensor_at(index: int) -> torch.Tensor:
+    """In a skeleton: the message's tensor ``index`` ([Note: tensor placeholders])."""
+    return _loading.tensors[index]
+
+
+def _load(skeleton: bytes, tensors: list[torch.Tensor]) -> Any:
+    """The object of ``skeleton`` around ``tensors`` (in placeholder order)."""
+    previous = getattr(_loading, "tensors", None)  # a load inside a load (an object's ``__setstate__``)
+    _loading.tensors = tensors
+    try:
+        return pickle.loads(skeleton)
+    finally:
+        _loading.tensors = previous
 
 
 @dataclass(frozen=True)
@@ -92,8 +112,7 @@ class Message:
 
     def with_tensors(self, tensors: list[torch.Tensor]) -> Message:
         """The message rebuilt around other tensors in the places of ``self.tensors`` (new Python objects)."""
-        obj = _Unpickler(io.BytesIO(self.skeleton), tensors).load()
-        return dataclasses.replace(self, obj=obj, tensors=tensors)
+        return dataclasses.replace(self, obj=_load(self.skeleton, tensors), tensors=tensors)
 
 
 def pack(obj: Any) -> Packed:
@@ -169,19 +188,18 @@ class Bundle:
     def messages(self, arrived_s: float = 0.0) -> Iterator[Message]:
         """Each part as the :class:`Message` it would have been alone, unpacked only when the iterator reaches it."""
         for payload, data in self.parts:
-            yield dataclasses.replace(_unpack(payload, data, self.device), arrived_s=arrived_s)
+            yield _unpack(payload, data, self.device, arrived_s)
 
 
-def _unpack(payload: bytes, data: torch.Tensor | None, device: torch.device) -> Message:
+def _unpack(payload: bytes, data: torch.Tensor | None, device: torch.device, arrived_s: float = 0.0) -> Message:
     loaded = pickle.loads(payload)
     if loaded[0] == _BUNDLE:
         parts = [(part, data[at : at + nbytes] if nbytes else None) for part, at, nbytes in loaded[1]]
-        return Message(Bundle(parts, device), [], [])
+        return Message(Bundle(parts, device), [], [], arrived_s)
     skeleton, recipes, spans, indices, flags = loaded
     every = rebuild_tensors(recipes, spans, data, device)
     tensors = [every[i] for i in indices]
-    obj = _Unpickler(io.BytesIO(skeleton), tensors).load()
-    return Message(obj, tensors, flags, skeleton=skeleton)
+    return Message(_load(skeleton, tensors), tensors, flags, arrived_s, skeleton)
 
 
 def gather(packed: Packed, buffer: torch.Tensor) -> bool:

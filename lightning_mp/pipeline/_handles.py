@@ -45,7 +45,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from lightning_mp.pipeline._messages import send_held_calls
 from lightning_mp.pipeline._recorded import (
@@ -65,6 +64,8 @@ from lightning_mp.pipeline._recorded import (
     _RecordedMethod,
     _step,
     owner_path,
+    tree_leaves,
+    tree_map,
 )
 
 __all__ = ["RemoteValue", "materialize", "owner_computes_loss", "recording_loss_scalings"]
@@ -145,28 +146,33 @@ class RemoteValue:
 
     def __init__(self, session: Any, stage: int, call_id: tuple[int, int], microbatch: int, path: tuple = (),
                  parent: RemoteValue | None = None, upstream: dict | None = None, label: str = "") -> None:
-        self._rv_session = session
-        self._rv_stage = stage
-        self._rv_call_id = call_id
-        self._rv_microbatch = microbatch
-        self._rv_path = path
-        self._rv_parent = parent
-        self._rv_upstream = upstream if upstream is not None else {}  # call_id -> caller tensors sent as data
-        self._rv_label = label
-        self._rv_grad_enabled = parent._rv_grad_enabled if parent is not None else True  # the call's grad mode
-        # shared by every part of one call's output: set once any part is fetched (a fetched part may be changed
-        # here in place, so from then on no part of the output goes as a reference: the owner's copy may be stale)
-        self._rv_touched: list[bool] = parent._rv_touched if parent is not None else [False]
-        self._rv_fetched = False
-        self._rv_value: Any = None
-        self._rv_children: dict[Any, RemoteValue] = {}
-        self._rv_lock = parent._rv_lock if parent is not None else threading.RLock()  # one per call's output
-        # [Note: the loss where the logits are]: the op this handle's path ends in; whether its path holds one;
-        # whether fetching it fetches the output and applies the path's shape ops here
-        self._rv_op: _Op | None = None
-        self._rv_has_op = parent._rv_has_op if parent is not None else False
-        self._rv_local = parent._rv_local if parent is not None else False
-        self._rv_tensor_known = False  # the call's module class says its output is a tensor (``Caller.call_async``)
+        # set through ``__dict__``: ``__setattr__`` is a Python call per attribute, and a handle is made per remote call
+        child = parent is not None
+        self.__dict__.update(
+            _rv_session=session,
+            _rv_stage=stage,
+            _rv_call_id=call_id,
+            _rv_microbatch=microbatch,
+            _rv_path=path,
+            _rv_parent=parent,
+            _rv_upstream=upstream if upstream is not None else {},  # call_id -> caller tensors sent as data
+            _rv_label=label,
+            _rv_grad_enabled=parent._rv_grad_enabled if child else True,  # the call's grad mode
+            # shared by every part of one call's output: set once any part is fetched (a fetched part may be changed
+            # here in place, so from then on no part of the output goes as a reference: the owner's copy may be
+            # stale)
+            _rv_touched=parent._rv_touched if child else [False],
+            _rv_fetched=False,
+            _rv_value=None,
+            _rv_children={},
+            _rv_lock=parent._rv_lock if child else threading.RLock(),  # one per call's output
+            # [Note: the loss where the logits are]: the op this handle's path ends in; whether its path holds one;
+            # whether fetching it fetches the output and applies the path's shape ops here
+            _rv_op=None,
+            _rv_has_op=parent._rv_has_op if child else False,
+            _rv_local=parent._rv_local if child else False,
+            _rv_tensor_known=False,  # the call's module class says its output is a tensor (``Caller.call_async``)
+        )
 
     # ---- fetching -------------------------------------------------------------------------------------------
 
@@ -285,7 +291,7 @@ class RemoteValue:
         if torch.is_inference_mode_enabled() or _autocast_on():
             return False
         nbytes = 0
-        for leaf in pytree.tree_leaves(tree, is_leaf=_is_remote):
+        for leaf in tree_leaves(tree):
             if _is_remote(leaf):
                 if (type(leaf) is not RemoteValue or leaf._rv_session is not self._rv_session
                         or leaf._rv_call_id != self._rv_call_id or leaf._rv_fetched):
@@ -301,9 +307,7 @@ class RemoteValue:
         weights: small, see ``_rv_may_record``) are copied now, so an in-place change after this line does not
         reach the loss the owner computes later (eager code reads them at this line)."""
         if op.kind == "function":
-            args, kwargs = pytree.tree_map(
-                lambda t: t.clone() if type(t) is torch.Tensor else t, (op.args, op.kwargs), is_leaf=_is_remote
-            )
+            args, kwargs = tree_map(lambda t: t.clone() if type(t) is torch.Tensor else t, (op.args, op.kwargs))
             op = _Op(op.kind, op.target, args, kwargs, op.grad_enabled)
         child = RemoteValue(self._rv_session, self._rv_stage, self._rv_call_id, self._rv_microbatch,
                             self._rv_path + (op,), self, self._rv_upstream, self._rv_label)
@@ -335,9 +339,9 @@ class RemoteValue:
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func in _OWNER_FUNCTIONS:  # [Note: the loss where the logits are]
-            first = next((v for v in pytree.tree_leaves((args, kwargs), is_leaf=_is_remote) if _is_remote(v)), None)
+            first = next((v for v in tree_leaves((args, kwargs)) if _is_remote(v)), None)
             if first is not None and first._rv_may_record((args, kwargs)):
-                args, kwargs = pytree.tree_map(lambda v: _SELF if v is first else v, (args, kwargs), is_leaf=_is_remote)
+                args, kwargs = tree_map(lambda v: _SELF if v is first else v, (args, kwargs))
                 return first._rv_record(_Op("function", func, args, kwargs, torch.is_grad_enabled()))
         return func(*materialize(args), **materialize(kwargs))
 
@@ -426,20 +430,18 @@ class _Ref(RemoteValue):
     """
 
     def __init__(self, call_id: tuple[int, int], path: tuple, microbatch: int) -> None:
-        self._rv_call_id = call_id
-        self._rv_path = path
-        self._rv_microbatch = microbatch
-        self._rv_fetched = False
-        self._rv_value = None
-        self._rv_resolver = None
-        self._rv_lock = threading.Lock()
+        self.__dict__.update(  # not through ``__setattr__`` (see ``RemoteValue.__init__``)
+            _rv_call_id=call_id, _rv_path=path, _rv_microbatch=microbatch, _rv_fetched=False, _rv_value=None,
+            _rv_resolver=None, _rv_lock=threading.Lock(),
+        )
 
     def _rv_materialize(self) -> Any:
         if not self._rv_fetched:
             if self._rv_resolver is None:
                 raise RuntimeError("internal: a reference to a remote output was touched before it was resolved")
-            self._rv_value = self._rv_resolver(self._rv_call_id, self._rv_path, self._rv_microbatch)
-            self._rv_fetched = True
+            own = self.__dict__  # not through ``__setattr__`` (see ``RemoteValue.__init__``)
+            own["_rv_value"] = self._rv_resolver(self._rv_call_id, self._rv_path, self._rv_microbatch)
+            own["_rv_fetched"] = True
         return self._rv_value
 
     def __reduce_ex__(self, protocol: int) -> Any:
@@ -459,7 +461,7 @@ def materialize(tree: Any) -> Any:
         return tree._rv_materialize()
     if type(tree) in (tuple, list, dict) and not tree:
         return tree
-    return pytree.tree_map(lambda v: v._rv_materialize() if _is_remote(v) else v, tree, is_leaf=_is_remote)
+    return tree_map(lambda v: v._rv_materialize() if _is_remote(v) else v, tree)
 
 
 def owner_computes_loss(value: Any) -> bool:
@@ -475,11 +477,13 @@ def _fetch_module_inputs(module: Any, args: tuple) -> tuple | None:
     (``nn.CrossEntropyLoss``, ...) keeps them: its ``F`` function runs on the owner ([Note: the loss where the
     logits are]). A module with parameters then sends the one-way calls this thread still holds (a fetch took
     those held for the handle's stage along; [Note: coalesced one-way calls] in ``_core.py``)."""
-    if isinstance(module, torch.nn.modules.loss._Loss) and type(module).__module__ == "torch.nn.modules.loss":
-        return None  # torch's own; a user's ``_Loss`` subclass may inspect its inputs: it gets values
     fetched = None
-    if any(_is_remote(a) for a in args):
-        fetched = tuple(a._rv_materialize() if _is_remote(a) else a for a in args)
+    for a in args:  # runs before every module call of the process: no generator, no call per argument
+        if type(a) in _REMOTE_TYPES:
+            if isinstance(module, torch.nn.modules.loss._Loss) and type(module).__module__ == "torch.nn.modules.loss":
+                return None  # torch's own; a user's ``_Loss`` subclass may inspect its inputs: it gets values
+            fetched = tuple(a._rv_materialize() if _is_remote(a) else a for a in args)
+            break
     send_held_calls(module)
     return fetched
 
@@ -564,5 +568,5 @@ def resolve(tree: Any, refs: list[_Ref], resolver: Any) -> Any:
     if not refs:
         return tree
     for ref in refs:
-        ref._rv_resolver = resolver
+        ref.__dict__["_rv_resolver"] = resolver  # not through ``__setattr__``
     return materialize(tree)

@@ -219,15 +219,25 @@ def as_task(task: Task) -> Iterator[None]:
 
 
 class Future:
-    """A value set once by one thread and waited for by another, re-checking the step's failure meanwhile."""
+    """A value set by one thread and waited for by others, re-checking the step's failure meanwhile.
+
+    A later ``set`` replaces the value (as the first, it wakes nobody again). The gate is a plain lock, held until
+    the first ``set``: a wait is a C-level ``acquire`` with a timeout, where ``threading.Event`` costs a Python
+    ``Condition`` (about ten Python calls per wait and per set, and the engine waits on one per request).
+    """
+
+    __slots__ = ("_gate", "_once", "value")
 
     def __init__(self) -> None:
-        self._event = threading.Event()
+        self._gate = threading.Lock()
+        self._gate.acquire()  # released by the first ``set``
+        self._once = threading.Lock()  # taken by the first ``set``
         self.value: Any = None
 
     def set(self, value: Any) -> None:
         self.value = value
-        self._event.set()
+        if self._once.acquire(blocking=False):
+            self._gate.release()
 
     def wait(self, timeout_s: float, check_failed: Callable[[], None], what: str) -> Any:
         """The value, once set.
@@ -235,11 +245,14 @@ class Future:
         Raises:
             PipelineError: after ``timeout_s`` seconds, naming ``what``; or what ``check_failed`` raises.
         """
-        deadline = time.monotonic() + timeout_s
-        while not self._event.wait(POLL_S):
-            check_failed()
-            if time.monotonic() > deadline:
-                raise PipelineError(f"Timed out after {timeout_s:.0f} s waiting for {what}.")
+        gate = self._gate
+        if not gate.acquire(blocking=False):
+            deadline = time.monotonic() + timeout_s
+            while not gate.acquire(timeout=POLL_S):
+                check_failed()
+                if time.monotonic() > deadline:
+                    raise PipelineError(f"Timed out after {timeout_s:.0f} s waiting for {what}.")
+        gate.release()  # open for every other waiter, and for this one again
         check_failed()
         return self.value
 

@@ -8,6 +8,7 @@ handle is fetched or passed back to it, so only their result travels (a loss's s
 from __future__ import annotations
 
 import operator
+import types
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,6 +25,60 @@ _REMOTE_TYPES: set[type] = set()  # RemoteValue and the owner's reference to its
 
 def _is_remote(value: Any) -> bool:
     return type(value) in _REMOTE_TYPES  # ``type()``, not ``__class__``: that would fetch
+
+
+# [Note: walking arguments without pytree's per-leaf calls] Every recorded op and every fetch walks its arguments:
+# which leaves are handles, copies of the labels, ``_SELF`` in place of the handle, the owner form, the owner's
+# resolution. ``torch.utils._pytree.tree_map`` costs about 10 Python calls per leaf and node (flatten, node type,
+# named-tuple test, unflatten), which made recording a loss (``F.mse_loss(handle, y)`` then ``loss / M``) about a
+# third of the driver's Python calls per step (cProfile, the 2-stage benchmark at M=8). ``tree_map`` and
+# ``tree_leaves`` below walk exactly the plain ``tuple``, ``list`` and ``dict`` themselves and hand any other node
+# that pytree walks (named tuples, ``OrderedDict``, ``deque``, registered classes such as Hugging Face's
+# ``ModelOutput``) to pytree, with handles as leaves (``is_leaf=_is_remote``): the same leaves, in the same order
+# (pytree's: a dict's insertion order), the same rebuilt containers, and ``fn`` called once per leaf in that order.
+_PLAIN_LEAVES = set((
+    int, float, bool, complex, str, bytes, type(None), type(Ellipsis), slice, torch.Tensor, torch.nn.Parameter,
+    torch.dtype, torch.device, types.FunctionType, types.BuiltinFunctionType,
+))  # never pytree nodes (``torch.Size`` is one: pytree walks it); this module's own classes join below
+
+
+def _pytree_node(value: Any) -> bool:
+    """Whether pytree walks into ``value`` (asked of values that are no exact tuple, list, dict or plain leaf)."""
+    return not pytree.tree_is_leaf(value, is_leaf=_is_remote)
+
+
+def tree_map(fn: Any, tree: Any) -> Any:
+    """``pytree.tree_map(fn, tree, is_leaf=_is_remote)``, with plain containers walked here (see [Note: walking
+    arguments without pytree's per-leaf calls])."""
+    kind = type(tree)
+    if kind is tuple:
+        return tuple([tree_map(fn, v) for v in tree])
+    if kind is list:
+        return [tree_map(fn, v) for v in tree]
+    if kind is dict:
+        return {k: tree_map(fn, v) for k, v in tree.items()}
+    if kind in _PLAIN_LEAVES or kind in _REMOTE_TYPES or not _pytree_node(tree):
+        return fn(tree)
+    return pytree.tree_map(fn, tree, is_leaf=_is_remote)
+
+
+def tree_leaves(tree: Any, leaves: list | None = None) -> list:
+    """``pytree.tree_leaves(tree, is_leaf=_is_remote)``, with plain containers walked here (see [Note: walking
+    arguments without pytree's per-leaf calls])."""
+    if leaves is None:
+        leaves = []
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        for v in tree:
+            tree_leaves(v, leaves)
+    elif kind is dict:
+        for v in tree.values():
+            tree_leaves(v, leaves)
+    elif kind in _PLAIN_LEAVES or kind in _REMOTE_TYPES or not _pytree_node(tree):
+        leaves.append(tree)
+    else:
+        leaves.extend(pytree.tree_leaves(tree, is_leaf=_is_remote))
+    return leaves
 
 
 # [Note: the loss where the logits are] A causal LM's loss is a few ops on the head's output: ``logits.reshape(-1,
@@ -109,7 +164,7 @@ class _Op:
         def convert(v: Any) -> Any:
             return _PathArg(owner_path(v._rv_path)) if _is_remote(v) else v
 
-        args, kwargs = pytree.tree_map(convert, (self.args, self.kwargs), is_leaf=_is_remote)
+        args, kwargs = tree_map(convert, (self.args, self.kwargs))
         return _Op(self.kind, self.target, args, kwargs, self.grad_enabled)
 
     def apply(self, value: Any, root: Any) -> Any:
@@ -122,8 +177,7 @@ class _Op:
                 return value
             return v._rv_materialize() if _is_remote(v) else v
 
-        args, kwargs = pytree.tree_map(resolve_arg, (self.args, self.kwargs),
-                                       is_leaf=lambda v: _is_remote(v) or type(v) in (_PathArg, _SelfValue))
+        args, kwargs = tree_map(resolve_arg, (self.args, self.kwargs))  # _PathArg, _SelfValue: leaves
         with torch.set_grad_enabled(self.grad_enabled):
             if self.kind == "function":
                 return self.target(*args, **kwargs)
@@ -148,6 +202,9 @@ class _NoAttribute:
 
     def __reduce__(self) -> Any:
         return (_NoAttribute, (self.type_name,))
+
+
+_PLAIN_LEAVES.update((_SelfValue, _PathArg, _Op, _NoAttribute))
 
 
 def _fetch_metadata(handle: RemoteValue, op: _Op) -> Any:

@@ -97,7 +97,9 @@ def draws_no_random_numbers(module: nn.Module) -> bool:
 def global_generators() -> list[torch.Generator]:
     """The CPU generator, and the current CUDA device's if CUDA is in use."""
     generators = [torch.default_generator]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    # CUDA initialised implies available; ``is_available()`` alone asks the driver (or, CPU-only, three Python
+    # calls) on every task switch and keyed call
+    if torch.cuda.is_initialized():
         generators.append(torch.cuda.default_generators[torch.cuda.current_device()])
     return generators
 

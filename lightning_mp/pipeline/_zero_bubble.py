@@ -157,8 +157,9 @@ def split_backward(
     root_nodes = [_node_of(t) for t in roots]
     targets = {_node_of(t): t for t in (*wanted, REMOTE_ANCHOR) if t.requires_grad}
     cuts: set[Node] = set()
+    children: dict[Node, list[tuple[Node, int]]] = {}  # each node's, read once for every round
     while True:
-        graph = _Graph(root_nodes, set(targets), cuts)
+        graph = _Graph(root_nodes, set(targets), cuts, children)
         more = graph.new_cuts() - cuts
         if not more:
             break
@@ -239,9 +240,16 @@ def _is_leaf(node: Node) -> bool:
 
 class _Graph:
     """One backward's graph split into the I set (leads to a wanted leaf or to a cut node) and the W set (the rest
-    that leads to a leaf). A cut node is a W node whose whole incoming gradient the I pass captures."""
+    that leads to a leaf). A cut node is a W node whose whole incoming gradient the I pass captures.
 
-    def __init__(self, roots: list[Node], targets: set[Node], cuts: set[Node]) -> None:
+    ``children``: each node's ``_children``, shared by the graphs of one backward (``split_backward`` builds one per
+    round of cuts): ``next_functions`` makes a new tuple per read, and the walks below read each node's several times.
+    The walks are loops, not generator expressions (a Python call per item), over the same nodes in the same order.
+    """
+
+    def __init__(self, roots: list[Node], targets: set[Node], cuts: set[Node],
+                 children: dict[Node, list[tuple[Node, int]]] | None = None) -> None:
+        self.children = kids = children if children is not None else {}
         self.nodes: list[Node] = []  # post-order: every node after its children
         to_target: dict[Node, bool] = {}
         to_leaf: dict[Node, bool] = {}
@@ -249,14 +257,31 @@ class _Graph:
         while stack:
             node, done = stack.pop()
             if done:
-                children = [c for c, _ in _children(node)]
-                to_target[node] = node in targets or any(to_target[c] or c in cuts for c in children)
-                to_leaf[node] = (_is_leaf(node) and node not in targets) or any(to_leaf[c] for c in children)
+                edges = kids[node]
+                reaches = node in targets
+                if not reaches:
+                    for c, _ in edges:
+                        if to_target[c] or c in cuts:
+                            reaches = True
+                            break
+                to_target[node] = reaches
+                reaches = hasattr(node, "variable") and node not in targets  # a leaf (``_is_leaf``)
+                if not reaches:
+                    for c, _ in edges:
+                        if to_leaf[c]:
+                            reaches = True
+                            break
+                to_leaf[node] = reaches
                 self.nodes.append(node)
             elif node not in to_leaf:
                 to_leaf[node] = False  # visiting (autograd graphs have no cycles)
                 stack.append((node, True))
-                stack.extend((c, False) for c, _ in _children(node) if c not in to_leaf)
+                edges = kids.get(node)
+                if edges is None:
+                    edges = kids[node] = _children(node)
+                for c, _ in edges:
+                    if c not in to_leaf:
+                        stack.append((c, False))
         self.input_set = {n for n in self.nodes if to_target[n]}
         self.weight_set = {n for n in self.nodes if not to_target[n] and to_leaf[n]}
         self.cuts = cuts & self.weight_set
@@ -265,21 +290,30 @@ class _Graph:
         """Each I node (not opaque) with edges into the W set other than cut nodes, with those distinct edges, in
         autograd's order (the node made last runs first)."""
         found = []
+        weight_set, cuts, kids = self.weight_set, self.cuts, self.children
         for node in self.nodes:
-            if node in self.input_set and not _opaque(node):
-                edges = [e for e in dict.fromkeys(_children(node)) if e[0] in self.weight_set and e[0] not in self.cuts]
+            if node in self.input_set and not isinstance(node, BackwardCFunction):  # not ``_opaque``
+                edges = [e for e in dict.fromkeys(kids[node]) if e[0] in weight_set and e[0] not in cuts]
                 if edges:
                     found.append((node, edges))
         return sorted(found, key=lambda item: -item[0]._sequence_nr())
 
     def computing_weight_edges(self) -> list[Node]:
         """The I nodes that compute W edges in the I pass: opaque nodes with W children, parents of cut nodes."""
-        return [n for n in self.input_set
-                if any(c in self.cuts or (_opaque(n) and c in self.weight_set) for c, _ in _children(n))]
+        found = []
+        weight_set, cuts, kids = self.weight_set, self.cuts, self.children
+        for n in self.input_set:
+            opaque = isinstance(n, BackwardCFunction)
+            for c, _ in kids[n]:
+                if c in cuts or (opaque and c in weight_set):
+                    found.append(n)
+                    break
+        return found
 
     def cut_edges(self) -> list[GradientEdge]:
         """The edges from the I set into cut nodes, each once (inputs of the I pass, so their parents compute them)."""
-        edges = dict.fromkeys((c, nr) for n in self.input_set for c, nr in _children(n) if c in self.cuts)
+        cuts, kids = self.cuts, self.children
+        edges = dict.fromkeys(edge for n in self.input_set for edge in kids[n] if edge[0] in cuts) if cuts else {}
         return [GradientEdge(c, nr) for c, nr in edges]
 
     def new_cuts(self) -> set[Node]:
@@ -288,21 +322,23 @@ class _Graph:
         opaque node's child, a cut node), or as reached through several."""
         labels: dict[Node, object] = {}
         reruns: set[Node] = set()
+        weight_set, cuts, kids = self.weight_set, self.cuts, self.children
         for node in self.input_set:
-            for child, _ in _children(node):
-                if child in self.weight_set and child not in self.cuts:
-                    if not _opaque(node):
+            opaque = isinstance(node, BackwardCFunction)
+            for child, _ in kids[node]:
+                if child in weight_set and child not in cuts:
+                    if not opaque:
                         reruns.add(child)
                     entry = (node, child)
                     labels[child] = entry if labels.get(child, entry) == entry else _MULTI
-        for node in self.cuts:
+        for node in cuts:
             labels[node] = _MULTI if node in labels else node
         for node in reversed(self.nodes):  # parents before children
             label = labels.get(node)
-            if node not in self.weight_set or label is None:
+            if node not in weight_set or label is None:
                 continue
-            for child, _ in _children(node):
-                if child in self.weight_set:
+            for child, _ in kids[node]:
+                if child in weight_set:
                     labels[child] = label if labels.get(child, label) == label else _MULTI
         return {child for child in reruns if labels[child] is _MULTI}
 
