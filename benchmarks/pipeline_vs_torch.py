@@ -279,16 +279,21 @@ def _rank(rank: int, init_file: str, out_dir: str, args: argparse.Namespace) -> 
         faults: dict[tuple[str, int], list[int]] = {key: [] for key in runners}
         voluntary: dict[tuple[str, int], list[int]] = {key: [] for key in runners}
         peaks: dict[tuple[str, int], int] = {key: 0 for key in runners}
+        roles: dict[tuple[str, int], list[dict[str, float]]] = {key: [] for key in runners}
         for round_index in range(args.rounds + 1):  # round 0 warms every method up
             for key, run in runners.items():
                 for _ in range(1 if round_index == 0 else args.steps):
                     dist.barrier()
                     meter.reset()
+                    threads = _thread_cpu() if args.threads else {}
                     usage = resource.getrusage(resource.RUSAGE_SELF)
                     start = time.perf_counter()
                     run()
                     elapsed = time.perf_counter() - start
                     after = resource.getrusage(resource.RUSAGE_SELF)
+                    if args.threads and round_index:
+                        process_s = after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime
+                        roles[key].append(_by_role(threads, _thread_cpu(), process_s))
                     if round_index:
                         times[key].append(elapsed)
                         cpu[key].append(after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime)
@@ -298,12 +303,46 @@ def _rank(rank: int, init_file: str, out_dir: str, args: argparse.Namespace) -> 
                         peaks[key] = max(peaks[key], meter.peak)
         timelines = _record_timelines(rank, engine, runners, args) if args.bubbles else {}
         torch.save({"times": times, "peaks": peaks, "cpu": cpu, "switches": switches, "faults": faults, "voluntary": voluntary,
-                    "timelines": timelines}, os.path.join(out_dir, f"{rank}.pt"))
+                    "timelines": timelines, "roles": roles}, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
 BUBBLE_METHODS = ("lightning_mp interleaved", "lightning_mp zero_bubble")
+THREAD_ROLES = ("main", "gloo", "engine", "other")
+
+
+def _thread_cpu() -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) of every live thread of this process: ``{tid: (name, seconds)}``, from
+    ``/proc/self/task/<tid>/stat`` (clock ticks, 10 ms on Linux's usual 100 Hz)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / ticks)  # utime, stime: fields 14 and 15
+    return out
+
+
+def _by_role(before: dict, after: dict, process_s: float) -> dict[str, float]:
+    """Split ``process_s`` of CPU between the main thread, gloo's threads (``gloo*``, named by gloo), the engine's
+    threads (Python threads other than the main one, and threads that ended in between: the engine's per-step workers) and the rest."""
+    roles = dict.fromkeys(THREAD_ROLES, 0.0)
+    main = threading.get_native_id()
+    seen = 0.0
+    for tid, (name, seconds) in after.items():
+        spent = seconds - before.get(tid, (name, 0.0))[1]
+        seen += spent
+        role = ("main" if tid == main else "gloo" if name.startswith("gloo") else
+                "engine" if name.startswith(("smp", "python")) else "other")  # Python 3.11 names no OS thread
+        roles[role] += spent
+    roles["engine"] += max(0.0, process_s - seen)  # threads that ended before ``after``: the engine's workers
+    return roles
 
 
 def _record_timelines(rank: int, engine: PipelineEngine, runners: dict, args: argparse.Namespace) -> dict:
@@ -346,6 +385,8 @@ def main() -> None:
         help="the processes' malloc policy: SMPStrategy's (memory._host.retain_freed_memory) or glibc's default",
     )
     parser.add_argument("--bubbles", action="store_true", help="also measure the bubble of interleaved / zero_bubble")
+    parser.add_argument("--threads", action="store_true",
+                        help="also split each rank's CPU per step by thread role: main, gloo, engine, other")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_rank, args=(os.path.join(tmp, "rdv"), tmp, args), nprocs=STAGES, join=True)
@@ -383,6 +424,23 @@ def main() -> None:
             print(f"{m:>2} {schedule} ModuleList loop / Sequential: {ratio:.2f}x")
     if args.bubbles:
         _print_bubbles(results, args)
+    if args.threads:
+        _print_roles(results, args)
+
+
+def _print_roles(results: list[dict], args: argparse.Namespace) -> None:
+    print("\nCPU ms per step by thread, per rank (mean over the timed steps; /proc/self/task, 10 ms ticks): main thread,"
+          " gloo's threads, other Python threads (the engine's, and its per-step workers that ended), the rest")
+    print(f"{'M':>2} {'method':<30} " + " ".join(f"{role + ' r0 / r1':>16}" for role in THREAD_ROLES))
+    for m in args.microbatches:
+        for name in METHODS:
+            if name == "one process":
+                continue
+            cells = []
+            for role in THREAD_ROLES:
+                per_rank = [1000 * statistics.mean(step[role] for step in r["roles"][(name, m)]) for r in results]
+                cells.append(" / ".join(f"{v:.0f}" for v in per_rank))
+            print(f"{m:>2} {name:<30} " + " ".join(f"{c:>16}" for c in cells))
 
 
 if __name__ == "__main__":
