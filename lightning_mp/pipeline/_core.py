@@ -81,6 +81,7 @@ class SessionCore:
         self.timeline = info.timeline
         self.lock = threading.Lock()
         self.error: BaseException | None = None
+        self.error_relayed = False  # the first failure came from another stage's "close"
         self.closed = False  # the step is over here: its values are gone
         self.finished = False  # driver: it has sent "end" (its summary or its failure) to every stage
         self.threads: list[threading.Thread] = []  # every worker and the order thread, to join at close
@@ -89,6 +90,7 @@ class SessionCore:
         # [Note: coalesced one-way calls]: the held calls (packed, microbatch), all to ``_outbox_peer``
         self._outbox: list[tuple[Packed, int]] = []
         self._outbox_peer: int | None = None
+        self._outbox_thread: int | None = None  # the thread that held them: the token's holder
         self._send_locks = {peer: threading.Lock() for peer in self.peers}  # a peer's outbox and sends, in order
         self.token = ComputeToken(self.raise_if_failed)
         self.token.before_release = self._suspend_rng
@@ -145,11 +147,14 @@ class SessionCore:
 
     # ---- failure ---------------------------------------------------------------------------------------------
 
-    def fail(self, error: BaseException) -> None:
-        """Record the first failure; every waiter on this rank raises it."""
+    def fail(self, error: BaseException, relayed: bool = False) -> None:
+        """Record the first failure; every waiter on this rank raises it. ``relayed``: another stage failed and said
+        so ("close"), so this rank's "close" does not say it again ([Note: "close" carries the step's failure] in
+        ``_engine.py``)."""
         with self.lock:
             if self.error is None:
                 self.error = error
+                self.error_relayed = relayed
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
@@ -199,7 +204,12 @@ class SessionCore:
     # - when a local module with parameters starts on the thread that held them (``send_held_calls`` in the
     #   global forward pre-hook of ``_handles.py``): its compute would otherwise delay the remote stage.
     # Only the token holder (the driver's microbatch code) makes one-way calls, so the outbox holds the calls of one
-    # hold of the token: the loop's calls of one forward go as one message, and its GET_BACKWARD separately.
+    # hold of the token: the loop's calls of one forward go as one message, and its GET_BACKWARD separately. Only
+    # that thread takes them: a message of another thread (a served request's reply, sent after its release) goes
+    # alone, so it never carries held calls that the holder's next message to another stage could overtake. A held
+    # call keeps a copy of its tensors' bytes taken at the call (as eager code reads its arguments there): the
+    # caller may change an argument in place before the call goes. (On CUDA the copy runs on the holder's current
+    # stream; never run on a GPU.)
     # Cost: a held call waits at most until the holder's next message, release or local module with parameters;
     # between those the driver runs only calls to other stages and code outside modules with parameters. Where that
     # code is heavy (a functional op on a local weight, ``x @ model.wte.weight.T``, or a module without parameters
@@ -237,19 +247,24 @@ class SessionCore:
         packed = message if isinstance(message, Packed) else pack(message)
         with self.lock:
             self.info.bytes_sent[kind.value] += len(packed.payload) + packed.data_nbytes
-        if self._outbox_peer not in (None, peer):
+        mine = self._outbox_thread == threading.get_ident()  # another thread's message goes alone (see the Note)
+        if mine and self._outbox_peer not in (None, peer):
             self.flush()
         if kind == Kind.CALL:
+            # the data as it is now: eager code reads the arguments at the call, and the caller may change them in
+            # place before the held call goes (a reused buffer, ``x.mul_()``, ``nn.ReLU(inplace=True)``)
+            packed = dataclasses.replace(packed, sources=[source.clone() for source in packed.sources])
             with self.lock:
                 self._outbox.append((packed, microbatch))
                 self._outbox_peer = peer
+                self._outbox_thread = threading.get_ident()
             holding_calls(self.flush)
             if then is not None:
                 then()
             return
         with self._send_locks[peer]:
             with self.lock:
-                parts = self._take_outbox(peer)
+                parts = self._take_outbox(peer) if mine else []
             if then is not None:
                 then()
             self._transmit([*parts, (packed, microbatch)], peer, start)
@@ -263,7 +278,7 @@ class SessionCore:
                 failure instead with ``quietly`` (the token's release must not raise).
         """
         peer = self._outbox_peer
-        if peer is None:
+        if peer is None or self._outbox_thread != threading.get_ident():
             if then is not None:
                 then()
             return
@@ -286,7 +301,7 @@ class SessionCore:
         """The calls held for ``peer``, now out of the outbox (lock held)."""
         if self._outbox_peer != peer:
             return []
-        parts, self._outbox, self._outbox_peer = self._outbox, [], None
+        parts, self._outbox, self._outbox_peer, self._outbox_thread = self._outbox, [], None, None
         return parts
 
     def _transmit(self, parts: list[tuple[Packed, int]], peer: int, start: float) -> None:

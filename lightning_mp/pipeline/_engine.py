@@ -369,8 +369,9 @@ class PipelineSession:
         # [Note: "close" carries the step's failure] A stage can fail after its last answer: a weight pass that
         # "zero_bubble" deferred past the exchange that replied, or anything in the drain above. No request of the
         # driver waits for an answer then, so "close" says it, and every peer's session fails with it (the driver's
-        # before its optimizer steps: ``session`` raises after ``close``).
-        failure = None if core.error is None else f"{type(core.error).__name__}: {core.error}"
+        # before its optimizer steps: ``session`` raises after ``close``). A failure learnt from another stage's "close"
+        # is not said again: with 3 stages a healthy one would otherwise be named as the cause.
+        failure = None if core.error is None or core.error_relayed else f"{type(core.error).__name__}: {core.error}"
         for peer in core.peers:
             core.send_quietly(core.envelope(Kind.CLOSE, body=failure), peer)
         core.close_order()

@@ -221,7 +221,13 @@ class Server:
             self._last_heard = time.monotonic()
             ready: list[tuple[_Chain | None, Message, list]] = []  # requests to serve now, in order
             more = True
-            for index, (part, refs) in enumerate(_parts(message, refs)):
+            try:  # a bundle's parts are unpacked here, not in ``recv``: a part that fails fails the step at once
+                parts = list(_parts(message, refs))
+            except Exception as err:
+                self.core.fail(PipelineError(f"Lost contact with {self.core.describe(peer)}: a message from it could"
+                                             f" not be read: {type(err).__name__}: {err}"))
+                return False
+            for index, (part, refs) in enumerate(parts):
                 envelope: Envelope = part.obj
                 if index == 0:
                     self.core.timeline.record("recv", f"from stage {peer}", envelope.microbatch, message.arrived_s)
@@ -235,7 +241,8 @@ class Server:
                     self.store.free(microbatch)
                 if envelope.kind == Kind.CLOSE:
                     if envelope.body is not None:  # [Note: "close" carries the step's failure] in ``_engine.py``
-                        self.core.fail(PipelineError(f"The step failed on {self.core.describe(peer)}: {envelope.body}"))
+                        error = PipelineError(f"The step failed on {self.core.describe(peer)}: {envelope.body}")
+                        self.core.fail(error, relayed=True)
                     more = False
                     break
                 if envelope.kind in (Kind.REPLY, Kind.ERROR):

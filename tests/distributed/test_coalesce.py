@@ -276,3 +276,65 @@ def test_an_error_in_a_coalesced_call_fails_the_step_and_the_next_one_runs():
         assert result["outcome"][0].startswith("PipelineError"), result["outcome"]
         assert "boom in a coalesced call" in result["outcome"][0], result["outcome"]
         assert result["outcome"][1] == "ok", result["outcome"]
+
+
+def _reused_buffer_step(model: Loop, batch, log) -> torch.Tensor:
+    """A local buffer reused across calls and changed in place after each (as a loop filling one input buffer): a
+    held call must send what the buffer held at the call (found by review: the bytes were read at the flush)."""
+    x, y = batch
+    h = model.inp(x)
+    buffer = torch.zeros_like(x)
+    outs = []
+    for i in range(2):
+        buffer.copy_(h.detach() * (i + 1))
+        with torch.no_grad():
+            outs.append(model.blocks[i](buffer))  # held; the next copy_ changes ``buffer`` before it goes
+    loss = F.mse_loss(h.sum(-1), y)
+    for out in outs:
+        loss = loss + F.mse_loss(model.head(out).squeeze(-1), y)
+    return loss
+
+
+def test_a_held_call_sends_its_arguments_as_they_were_at_the_call():
+    from tests.distributed.test_remote_handles import _pipelined
+
+    results = run_distributed(_pipelined, 2, _reused_buffer_step, Loop, {"blocks": 1, "head": 1}, MICROBATCHES, 2)
+    _assert_matches(results, _reference(_reused_buffer_step, Loop, MICROBATCHES))
+
+
+def _unreadable_part(rank: int, world: int) -> dict:
+    import time
+
+    from lightning_mp.comm import _wire
+
+    torch.manual_seed(0)
+    model = Loop()
+    engine = PipelineEngine(make_transport([0, 1]), world, active_microbatches=1, timeout_s=20)
+    engine.install(model, expand_placement(model, {"blocks": 1, "head": 1}))
+    if rank == 1:  # every part of a bundle fails to unpack here (a plain message is unpacked by the transport)
+        def unreadable(*args, **kwargs):
+            raise RuntimeError("simulated: out of memory unpacking a part")
+
+        _wire._unpack = unreadable  # Bundle.messages looks it up at each part; the transport imported its own
+    start, outcome = time.monotonic(), None
+    try:
+        with engine.session() as session:
+            if engine.is_driver:
+                parts = split_microbatches(_batch(0), 2)
+                session.drive(lambda mb, i: _loop_step(model, mb, None), parts, loss_fn=lambda loss: loss / 2,
+                              backward=True)
+                session.finish(None)
+            else:
+                session.serve()
+    except Exception as err:
+        outcome = f"{type(err).__name__}: {err}"
+    return {"outcome": outcome, "seconds": time.monotonic() - start}
+
+
+def test_a_bundle_part_that_cannot_be_read_fails_the_step_on_every_rank_at_once():
+    """Found by review: the listener died on it and both ranks waited for the whole timeout, the cause lost."""
+    driver, owner = run_distributed(_unreadable_part, 2)
+    assert owner["outcome"] is not None and "simulated: out of memory unpacking a part" in owner["outcome"], owner
+    assert driver["outcome"] is not None, driver
+    for result in (driver, owner):
+        assert result["seconds"] < 10, result  # the timeout is 20 s
