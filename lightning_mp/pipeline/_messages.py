@@ -226,18 +226,20 @@ class Future:
     ``Condition`` (about ten Python calls per wait and per set, and the engine waits on one per request).
     """
 
-    __slots__ = ("_gate", "_once", "value")
+    __slots__ = ("_gate", "_once", "_set", "value")
 
     def __init__(self) -> None:
         self._gate = threading.Lock()
         self._gate.acquire()  # released by the first ``set``
         self._once = threading.Lock()  # taken by the first ``set``
-        self.value: Any = None
+        self._set = False  # once True, waiters no longer touch the gate (an interrupt between a waiter's acquire and
+        self.value: Any = None  # release, e.g. KeyboardInterrupt, cannot then leave it held for the others)
 
     def set(self, value: Any) -> None:
         self.value = value
         if self._once.acquire(blocking=False):
             self._gate.release()
+            self._set = True
 
     def wait(self, timeout_s: float, check_failed: Callable[[], None], what: str) -> Any:
         """The value, once set.
@@ -245,14 +247,15 @@ class Future:
         Raises:
             PipelineError: after ``timeout_s`` seconds, naming ``what``; or what ``check_failed`` raises.
         """
-        gate = self._gate
-        if not gate.acquire(blocking=False):
-            deadline = time.monotonic() + timeout_s
-            while not gate.acquire(timeout=POLL_S):
-                check_failed()
-                if time.monotonic() > deadline:
-                    raise PipelineError(f"Timed out after {timeout_s:.0f} s waiting for {what}.")
-        gate.release()  # open for every other waiter, and for this one again
+        if not self._set:
+            gate = self._gate
+            if not gate.acquire(blocking=False):
+                deadline = time.monotonic() + timeout_s
+                while not gate.acquire(timeout=POLL_S):
+                    check_failed()
+                    if time.monotonic() > deadline:
+                        raise PipelineError(f"Timed out after {timeout_s:.0f} s waiting for {what}.")
+            gate.release()  # open for every other waiter, and for this one again
         check_failed()
         return self.value
 
