@@ -55,7 +55,9 @@ __all__ = ["Transport", "make_data_plane"]
 # [Note: control frames without dist.send] The control frames are uint8 CPU tensors between two members of the
 # transport's gloo group, with group ranks: ``dist.send`` / ``dist.recv`` would check exactly that, in about 35 Python
 # calls per frame (torch-function dispatch, group and rank canonicalisation, the exception logger), before calling the
-# process group's own ``send`` / ``recv`` and waiting; the transport calls those itself (same tag 0, same errors).
+# process group's own ``send`` / ``recv`` and waiting; the transport calls those itself (same tag 0, the backend's
+# errors). ``dist.send``'s own ValueErrors (a send to oneself, a rank outside the group) are not raised here: the
+# engine sends only to its peers, and ``send`` asserts that.
 _HEADER_NBYTES = 1 << 20  # the largest header frame; a message sends only the bytes it uses
 _LENGTHS_NBYTES = 32  # int64 pickle_nbytes, data_nbytes, seq, inline (0 or 1)
 
@@ -127,6 +129,7 @@ class Transport:
             self._send_seq[dst] = seq + 1
             struct.pack_into("<qqqq", header, 0, payload_nbytes, packed.data_nbytes, seq, int(bool(inline_data)))
             # [Note: control frames without dist.send]
+            assert dst != self.group.rank(), "a transport sends to its peers only"
             self.group.send([torch.frombuffer(header, dtype=torch.uint8)], dst, 0).wait()
             if not inline:
                 self.group.send([torch.frombuffer(bytearray(packed.payload), dtype=torch.uint8)], dst, 0).wait()
